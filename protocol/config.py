@@ -1,0 +1,33 @@
+"""Engine options shared by every process (frontend, engine core, workers)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """All engine options; the launcher flags and LLM(...) keyword arguments map 1:1 onto these."""
+
+    model: str = "dummy:tiny"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    max_num_seqs: int = 256
+    # None means "pick the device default": 2048 on CPU, 8192 on GPU.
+    max_num_batched_tokens: int | None = None
+    # None means "the model's max_position_embeddings".
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    prefix_hash: str = "sha256"  # sha256 (collision safe) | fast (Python hash of tuples)
+    kv_cache_memory: int = 256 * 1024 * 1024  # bytes of K+V per rank
+    num_gpu_blocks_override: int | None = None  # force a KV capacity (tests of KV pressure)
+    async_scheduling: bool = False
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    debug_invariants: bool = False  # check block-pool invariants after every step
+    enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
+    worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung
+    max_frame_bytes: int = 64 * 1024 * 1024

@@ -1,0 +1,273 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Wire rules (see DESIGN.md):
+- structs are encoded as msgpack arrays (``array_like``) with a small integer tag, so a
+  frame carries no field names;
+- integer sequences (token ids, block ids, handles) are *packed*: little-endian int32 bytes
+  (see ``pack`` / ``unpack`` in protocol.codec), one msgpack bin each;
+- requests are named on the worker wire by an integer ``handle`` assigned by the scheduler;
+  string request ids only cross the frontend <-> engine core boundary.
+
+The step plan (``SchedulerOutput``) is a *diff* against what every worker already holds:
+- a worker keeps a *running set*: every handle it received in ``new_reqs`` or as a resumed
+  request, minus those later listed in ``finished_handles`` or ``preempted_handles``;
+- by default every handle in the running set is scheduled for exactly ONE token this step;
+  ``sched_override_handles`` / ``sched_override_counts`` list the exceptions (0 = not
+  scheduled this step, >1 = a prefill chunk or a token plus speculative drafts);
+- new and resumed requests carry their own ``num_scheduled_tokens``;
+- workers advance ``num_computed_tokens`` themselves by what was scheduled (minus rejected
+  drafts, which they know because they sampled), and append their own sampled tokens.
+So a steady decode step (everyone gets one token, nobody arrives or leaves, no new block)
+is a handful of bytes whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling options (vLLM's names and defaults)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 or -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# frontend -> engine core
+
+
+class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
+    request_id: str
+    prompt_token_ids: bytes  # packed int32
+    sampling_params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag=2):
+    request_ids: list[str]
+
+
+class HealthRequest(msgspec.Struct, array_like=True, tag=3):
+    """Frontend asks the engine core for liveness of every rank and forward progress."""
+
+    nonce: int
+
+
+class ShutdownEngine(msgspec.Struct, array_like=True, tag=4):
+    pass
+
+
+class ProfileRequest(msgspec.Struct, array_like=True, tag=5):
+    """Turn torch.profiler (workers) and the engine step timeline on or off."""
+
+    enable: bool
+    trace_dir: str = ""
+
+
+FrontendMessage = AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest
+
+
+# --------------------------------------------------------------------------------------------
+# engine core -> frontend
+
+
+class RequestOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_defaults=True):
+    """New tokens of one request since its last RequestOutput."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None  # set when finish_reason == "error" (also for rejected input)
+    new_logprobs: list[float] | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit on admission
+
+
+class EngineOutputs(msgspec.Struct, array_like=True, tag=11):
+    outputs: list[RequestOutput]
+    timestamp: float  # engine core's time.time() when the step's tokens were known
+
+
+class HealthReport(msgspec.Struct, array_like=True, tag=12, kw_only=True):
+    nonce: int
+    alive: list[bool]  # per rank
+    last_seen_s: list[float]  # seconds since each rank was last heard from
+    steps: int  # engine steps completed
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
+class EngineDead(msgspec.Struct, array_like=True, tag=13):
+    """The engine is going down; every in-flight request has been failed with this reason."""
+
+    reason: str
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag=14, kw_only=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    device: str
+
+
+class EngineStats(msgspec.Struct, array_like=True, tag=15, kw_only=True):
+    """Step timeline / counters; sent when asked or at shutdown."""
+
+    stats: dict[str, float]
+    step_timeline: list[list[float]] = []
+
+
+EngineMessage = EngineOutputs | HealthReport | EngineDead | EngineReady | EngineStats
+
+
+# --------------------------------------------------------------------------------------------
+# engine core -> workers (broadcast; encoded once)
+
+
+class NewRequestData(msgspec.Struct, array_like=True, kw_only=True):
+    """A request a worker has never seen: its full data, once."""
+
+    handle: int
+    prompt_token_ids: bytes  # packed int32
+    sampling_params: SamplingParams
+    block_ids: bytes  # packed int32: the request's whole block table
+    num_computed_tokens: int  # > 0 on a prefix-cache hit
+    num_scheduled_tokens: int
+
+
+class ResumedRequestData(msgspec.Struct, array_like=True, kw_only=True):
+    """A request that was preempted (worker kept its tokens) and is scheduled again.
+
+    The worker *replaces* its block table and num_computed_tokens (recompute, maybe with a
+    prefix-cache hit), and puts the handle back into its running set.
+    """
+
+    handle: int
+    block_ids: bytes  # packed int32: the whole new block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Block-table growth of running requests: only the requests that got new blocks.
+
+    ``new_block_counts[i]`` blocks from the flat ``new_block_ids`` are appended to the block
+    table of ``handles[i]``.
+    """
+
+    handles: bytes = b""  # packed int32
+    new_block_counts: bytes = b""  # packed int32
+    new_block_ids: bytes = b""  # packed int32, flattened in handle order
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, tag=20, kw_only=True):
+    step_id: int  # sequence number: 0, 1, 2, ...; a worker that sees a gap stops
+    new_reqs: list[NewRequestData] = []
+    resumed_reqs: list[ResumedRequestData] = []
+    cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    # removed from the running set *before* this step's scheduling is applied
+    finished_handles: bytes = b""  # packed int32: finished/aborted: forget the request
+    preempted_handles: bytes = b""  # packed int32: keep tokens, drop block table, not running
+    # exceptions to "one token for every running request" (see module docstring)
+    sched_override_handles: bytes = b""  # packed int32
+    sched_override_counts: bytes = b""  # packed int32
+    # speculative drafts to verify: handles and flattened draft tokens (counts from overrides)
+    spec_handles: bytes = b""
+    spec_token_counts: bytes = b""
+    spec_token_ids: bytes = b""
+    # consistency checks a worker verifies before computing anything
+    num_running: int = 0  # size of the running set after applying this diff
+    total_num_scheduled_tokens: int = 0
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=21):
+    reason: str = ""
+
+
+class HealthPing(msgspec.Struct, array_like=True, tag=22):
+    nonce: int
+
+
+class ProfileControl(msgspec.Struct, array_like=True, tag=23):
+    enable: bool
+    trace_dir: str = ""
+
+
+class ResetPrefixCache(msgspec.Struct, array_like=True, tag=24):
+    pass
+
+
+WorkerBroadcast = SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache
+
+
+# --------------------------------------------------------------------------------------------
+# workers -> engine core
+
+
+class WorkerHello(msgspec.Struct, array_like=True, tag=30, kw_only=True):
+    """Start-up handshake: a rank is connected and its KV cache is allocated."""
+
+    rank: int
+    world_size: int
+    pid: int
+    hostname: str
+    device: str
+    num_blocks: int  # KV capacity of this rank; the scheduler uses the minimum over ranks
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    protocol_version: int = PROTOCOL_VERSION
+    auth: bytes = b""  # HMAC of the handshake under the shared secret (tcp only)
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
+    """Sampled tokens of one step (sent by rank 0; by every rank when checksums are on)."""
+
+    step_id: int
+    rank: int
+    req_handles: bytes  # packed int32: requests that produced tokens this step
+    num_tokens: bytes = b""  # packed int32 per handle; empty = exactly one each
+    sampled_token_ids: bytes = b""  # packed int32, flattened
+    logprobs: bytes = b""  # packed float32 (one per sampled token) when any request asked
+    checksum: int | None = None  # hash of this rank's sampled tokens
+    # worker-side timings of this step in microseconds (prepare, forward, sample), for the
+    # host-overhead breakdown; empty when not collected
+    timings_us: list[float] = []
+
+
+class WorkerError(msgspec.Struct, array_like=True, tag=32, kw_only=True):
+    rank: int
+    message: str
+    traceback: str = ""
+    step_id: int = -1
+
+
+class HealthPong(msgspec.Struct, array_like=True, tag=33, kw_only=True):
+    rank: int
+    nonce: int
+    last_step_id: int
+
+
+class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
+    """Sent once a rank's SUB socket has received a sync ping (no slow-joiner loss)."""
+
+    rank: int
+    nonce: int
+
+
+WorkerMessage = WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady
