@@ -1,0 +1,1 @@
+"""Tensor-parallel worker processes: model, paged KV cache, persistent batch, sampler."""
