@@ -1,0 +1,128 @@
+"""One instance of every wire message type, every field away from its default."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol import messages as m
+from protocol.codec import pack, pack_f32
+
+SP = m.SamplingParams(
+    max_tokens=77,
+    temperature=0.5,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    seed=1234,
+    stop_token_ids=[2, 7],
+    ignore_eos=True,
+    min_tokens=3,
+    logprobs=True,
+)
+
+# one instance of every message type, every field away from its default
+SAMPLES: list[msgspec.Struct] = [
+    m.AddRequest(
+        request_id="req-ä-1",
+        prompt_token_ids=pack([1, 2, 3, 50000]),
+        sampling_params=SP,
+        priority=-3,
+        cache_salt="salt",
+        arrival_time=12.5,
+    ),
+    m.AbortRequests(request_ids=["a", "b"]),
+    m.HealthRequest(nonce=99),
+    m.ShutdownEngine(),
+    m.ProfileRequest(enable=True, trace_dir="/tmp/trace"),
+    m.RequestOutput(
+        request_id="r",
+        new_token_ids=[5, 6],
+        finish_reason="error",
+        error="boom",
+        new_logprobs=[-0.5, -1.25],
+        num_cached_tokens=32,
+    ),
+    m.EngineOutputs(
+        outputs=[m.RequestOutput(request_id="x", new_token_ids=[1], finish_reason="stop")],
+        timestamp=1.5,
+    ),
+    m.HealthReport(
+        nonce=3,
+        alive=[True, False],
+        last_seen_s=[0.1, 9.0],
+        steps=10,
+        num_running=4,
+        num_waiting=2,
+        kv_usage=0.75,
+    ),
+    m.EngineDead(reason="rank 1 died"),
+    m.EngineReady(
+        num_blocks=100,
+        block_size=16,
+        max_model_len=2048,
+        vocab_size=32000,
+        eos_token_id=2,
+        device="cpu",
+    ),
+    m.EngineStats(stats={"steps": 3.0}, step_timeline=[[1.0, 2.0]]),
+    m.SchedulerOutput(
+        step_id=7,
+        new_reqs=[
+            m.NewRequestData(
+                handle=4,
+                prompt_token_ids=pack([9, 8, 7]),
+                sampling_params=SP,
+                block_ids=pack([0, 1]),
+                num_computed_tokens=16,
+                num_scheduled_tokens=3,
+            )
+        ],
+        resumed_reqs=[
+            m.ResumedRequestData(
+                handle=2, block_ids=pack([5]), num_computed_tokens=0, num_scheduled_tokens=20
+            )
+        ],
+        cached_reqs=m.CachedRequestData(
+            handles=pack([1, 3]), new_block_counts=pack([1, 2]), new_block_ids=pack([6, 7, 8])
+        ),
+        finished_handles=pack([11]),
+        preempted_handles=pack([12]),
+        sched_override_handles=pack([1]),
+        sched_override_counts=pack([0]),
+        spec_handles=pack([3]),
+        spec_token_counts=pack([2]),
+        spec_token_ids=pack([100, 101]),
+        num_running=4,
+        total_num_scheduled_tokens=26,
+    ),
+    m.Shutdown(reason="bye"),
+    m.HealthPing(nonce=2**40),
+    m.ProfileControl(enable=True, trace_dir="/t"),
+    m.ResetPrefixCache(),
+    m.WorkerHello(
+        rank=1,
+        world_size=2,
+        pid=1234,
+        hostname="node",
+        device="cuda:1",
+        num_blocks=500,
+        vocab_size=32000,
+        max_model_len=4096,
+        eos_token_id=None,
+        protocol_version=m.PROTOCOL_VERSION,
+        auth=b"\x01" * 32,
+    ),
+    m.ModelRunnerOutput(
+        step_id=7,
+        rank=0,
+        req_handles=pack([1, 3]),
+        num_tokens=pack([1, 2]),
+        sampled_token_ids=pack([4, 5, 6]),
+        logprobs=pack_f32([-0.5, -1.0, -2.0]),
+        checksum=2**62,
+        timings_us=[1.0, 2.0, 3.0],
+    ),
+    m.WorkerError(rank=1, message="oom", traceback="Traceback ...", step_id=5),
+    m.HealthPong(rank=1, nonce=3, last_step_id=9),
+    m.WorkerReady(rank=2, nonce=5),
+]
