@@ -1,0 +1,423 @@
+"""The engine core process: owns the Scheduler, broadcasts step plans, collects tokens.
+
+One loop: take frontend messages -> schedule -> encode once -> publish to every rank -> wait for
+rank 0's ModelRunnerOutput -> update -> send RequestOutputs. It blocks on sockets (poll with
+timeouts), pings the workers so they can tell it is alive, and declares a rank hung when it has
+been silent for `worker_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import zmq
+
+from engine_core.request import Request, RequestStatus
+from engine_core.scheduler import Scheduler
+from engine_core.step_timeline import StepTimeline
+from engine_core.validation import validate_prompt, validate_sampling
+from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack, worker_decoder
+from protocol.config import EngineConfig
+from protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    HealthPing,
+    HealthReport,
+    HealthRequest,
+    ModelRunnerOutput,
+    ProfileControl,
+    ProfileRequest,
+    RequestOutput,
+    Shutdown,
+    ShutdownEngine,
+    WorkerError,
+    WorkerHello,
+    WorkerReady,
+)
+from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env
+
+logger = logging.getLogger("tandem.engine_core")
+
+PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
+STARTUP_TIMEOUT_S = float(os.environ.get("TANDEM_STARTUP_TIMEOUT", "600"))
+CPU_MAX_BATCHED_TOKENS = 2048
+GPU_MAX_BATCHED_TOKENS = 8192
+
+
+class EngineFatal(RuntimeError):
+    """The engine cannot go on (a rank died, hung, raised or disagreed)."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, endpoints: Endpoints, world_size: int) -> None:
+        self.config = config
+        self.world_size = world_size
+        secret = secret_from_env()
+        self.ctx = zmq.Context.instance()
+        # Frontend sockets stay local (ipc or loopback); worker sockets may be tcp across nodes.
+        self.req_sock = make_socket(
+            self.ctx, zmq.PULL, endpoints.requests, bind=True, secret=secret
+        )
+        self.out_sock = make_socket(
+            self.ctx, zmq.PUSH, endpoints.outputs, bind=True, secret=secret, linger_ms=1000
+        )
+        self.pub = make_socket(self.ctx, zmq.PUB, endpoints.broadcast, bind=True, secret=secret)
+        self.results = make_socket(self.ctx, zmq.PULL, endpoints.results, bind=True, secret=secret)
+        self.encoder = Encoder()
+        self.frontend_dec = frontend_decoder(config.max_frame_bytes)
+        self.worker_dec = worker_decoder(config.max_frame_bytes)
+        self.last_seen = [time.monotonic()] * world_size
+        self.last_ping = 0.0
+        self.ping_nonce = 0
+        self.inflight: set[str] = set()
+        self.steps = 0
+        self.timeline = StepTimeline()
+        self.shutdown_requested = False
+        self.parent_pid = os.getppid()
+
+    # ------------------------------------------------------------------ start-up
+
+    def handshake(self) -> None:
+        """Wait for every rank's hello, then make sure every SUB socket receives broadcasts."""
+        hellos: dict[int, WorkerHello] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(hellos) < self.world_size:
+            msg = self._recv_worker(deadline)
+            if isinstance(msg, WorkerHello):
+                if msg.world_size != self.world_size:
+                    raise EngineFatal(
+                        f"rank {msg.rank} reports WORLD_SIZE={msg.world_size}, "
+                        f"the engine expects {self.world_size}"
+                    )
+                hellos[msg.rank] = msg
+            elif isinstance(msg, WorkerError):
+                raise EngineFatal(self._describe_error(msg))
+        # Slow joiners: PUB drops what a not-yet-connected SUB would have got, so publish sync
+        # pings until every rank has answered one.
+        ready: set[int] = set()
+        nonce = -1
+        while len(ready) < self.world_size:
+            self.pub.send(self.encoder.encode(HealthPing(nonce)))
+            frame = recv_frame(self.results, 20)
+            if time.monotonic() > deadline:
+                raise EngineFatal(f"only ranks {sorted(ready)} answered the start-up sync")
+            if frame is None:
+                continue
+            msg = self._decode_worker(frame)
+            if isinstance(msg, WorkerReady):
+                ready.add(msg.rank)
+            elif isinstance(msg, WorkerError):
+                raise EngineFatal(self._describe_error(msg))
+        h0 = hellos[0]
+        self.num_blocks = min(h.num_blocks for h in hellos.values())
+        self.vocab_size = h0.vocab_size
+        self.max_model_len = min(h.max_model_len for h in hellos.values())
+        self.eos_token_id = h0.eos_token_id
+        self.device = h0.device
+        budget = self.config.max_num_batched_tokens or (
+            GPU_MAX_BATCHED_TOKENS if h0.device.startswith("cuda") else CPU_MAX_BATCHED_TOKENS
+        )
+        self.scheduler = Scheduler(
+            self.config, self.num_blocks, self.max_model_len, budget, eos_token_id=self.eos_token_id
+        )
+        self.last_seen = [time.monotonic()] * self.world_size
+        logger.info(
+            "engine ready: %d ranks on %s, %d KV blocks of %d tokens",
+            self.world_size,
+            self.device,
+            self.num_blocks,
+            self.config.block_size,
+        )
+        self._send_frontend(
+            EngineReady(
+                num_blocks=self.num_blocks,
+                block_size=self.config.block_size,
+                max_model_len=self.max_model_len,
+                vocab_size=self.vocab_size,
+                eos_token_id=self.eos_token_id,
+                device=self.device,
+            )
+        )
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        while not self.shutdown_requested:
+            busy = self.scheduler.has_unfinished_requests()
+            self._poll_frontend(0 if busy else int(PING_INTERVAL_S * 1000))
+            self._maybe_ping()
+            self._check_alive()
+            if self.shutdown_requested:
+                break
+            self._flush(self.scheduler.take_outputs())
+            if self.scheduler.has_unfinished_requests():
+                self.step()
+
+    def step(self) -> None:
+        tl = self.timeline
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        frame = self.encoder.encode(so)
+        t2 = time.perf_counter()
+        self.pub.send(frame, copy=False)
+        t3 = time.perf_counter()
+        out = self._wait_for_output(so.step_id)
+        t4 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(so, out)
+        if self.config.debug_invariants:
+            self.scheduler.check_invariants()
+        t5 = time.perf_counter()
+        self._flush(outputs)
+        self._flush(self.scheduler.take_outputs())
+        self.steps += 1
+        if tl.enabled:
+            tl.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, len(frame))
+        if so.total_num_scheduled_tokens == 0 and not outputs:
+            # Nothing could run (e.g. KV full, nothing to preempt): wait for input, don't spin.
+            self._poll_frontend(int(PING_INTERVAL_S * 1000))
+
+    def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
+        """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""
+        need = self.world_size if self.config.enable_checksum else 1
+        got: dict[int, ModelRunnerOutput] = {}
+        while len(got) < need:
+            frame = recv_frame(self.results, int(PING_INTERVAL_S * 1000))
+            self._maybe_ping()
+            self._check_alive()
+            if frame is None:
+                continue
+            msg = self._decode_worker(frame)
+            if isinstance(msg, ModelRunnerOutput):
+                if msg.step_id != step_id:
+                    raise EngineFatal(
+                        f"rank {msg.rank} answered step {msg.step_id} while the engine waits "
+                        f"for step {step_id}"
+                    )
+                got[msg.rank] = msg
+            elif isinstance(msg, WorkerError):
+                raise EngineFatal(self._describe_error(msg))
+        if need > 1:
+            sums = {r: o.checksum for r, o in got.items()}
+            if len(set(sums.values())) != 1:
+                raise EngineFatal(f"ranks sampled different tokens at step {step_id}: {sums}")
+        return got[0]
+
+    # ------------------------------------------------------------------ frontend side
+
+    def _poll_frontend(self, timeout_ms: int) -> None:
+        frame = recv_frame(self.req_sock, timeout_ms)
+        while frame is not None:
+            self._handle_frontend(frame)
+            frame = recv_frame(self.req_sock, 0)
+
+    def _handle_frontend(self, frame: bytes) -> None:
+        try:
+            msg = self.frontend_dec.decode(frame)
+        except ProtocolError as e:
+            # One bad frame must not bring the engine down: report it and go on.
+            logger.warning("dropped a bad frontend frame: %s", e)
+            return
+        if isinstance(msg, AddRequest):
+            self._add_request(msg)
+        elif isinstance(msg, AbortRequests):
+            ids = [r for r in msg.request_ids if r in self.inflight]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(msg, HealthRequest):
+            self._send_frontend(self._health(msg.nonce))
+        elif isinstance(msg, ProfileRequest):
+            self.pub.send(self.encoder.encode(ProfileControl(msg.enable, msg.trace_dir)))
+            if msg.enable:
+                self.timeline.start()
+            else:
+                self._send_frontend(
+                    EngineStats(
+                        stats=self.scheduler.get_stats(), step_timeline=self.timeline.stop()
+                    )
+                )
+        elif isinstance(msg, ShutdownEngine):
+            self.shutdown_requested = True
+
+    def _add_request(self, msg: AddRequest) -> None:
+        try:
+            prompt = unpack(msg.prompt_token_ids)
+        except ProtocolError as e:
+            self._reject(msg.request_id, str(e))
+            return
+        if msg.request_id in self.inflight:
+            # Don't touch the first request: only the duplicate is refused.
+            self._send_frontend(
+                EngineOutputs(
+                    [
+                        RequestOutput(
+                            request_id=msg.request_id,
+                            new_token_ids=[],
+                            finish_reason="error",
+                            error=f"request id {msg.request_id!r} is already in flight",
+                        )
+                    ],
+                    time.time(),
+                )
+            )
+            return
+        err = validate_sampling(msg.sampling_params) or validate_prompt(prompt, self.vocab_size)
+        if err is not None:
+            self._reject(msg.request_id, err)
+            return
+        self.inflight.add(msg.request_id)
+        self.scheduler.add_request(
+            Request(
+                msg.request_id,
+                prompt,
+                msg.sampling_params,
+                self.eos_token_id,
+                msg.arrival_time or time.time(),
+                priority=msg.priority,
+                cache_salt=msg.cache_salt,
+            )
+        )
+
+    def _reject(self, request_id: str, reason: str) -> None:
+        out = RequestOutput(
+            request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
+        )
+        self._send_frontend(EngineOutputs([out], time.time()))
+
+    def _flush(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        for o in outputs:
+            if o.finish_reason is not None:
+                self.inflight.discard(o.request_id)
+        self._send_frontend(EngineOutputs(outputs, time.time()))
+
+    def _send_frontend(self, msg: msgspec.Struct) -> None:
+        self.out_sock.send(self.encoder.encode(msg))
+
+    def _health(self, nonce: int) -> HealthReport:
+        now = time.monotonic()
+        stats = self.scheduler.get_stats()
+        return HealthReport(
+            nonce=nonce,
+            alive=[now - t < self.config.worker_timeout_s for t in self.last_seen],
+            last_seen_s=[now - t for t in self.last_seen],
+            steps=self.steps,
+            num_running=int(stats.get("num_running", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)),
+            kv_usage=float(stats.get("kv_usage", 0.0)),
+        )
+
+    # ------------------------------------------------------------------ worker side
+
+    def _recv_worker(self, deadline: float) -> msgspec.Struct:
+        while True:
+            if time.monotonic() > deadline:
+                raise EngineFatal("timed out waiting for the workers to start")
+            if os.getppid() != self.parent_pid:
+                raise EngineFatal("the frontend process died")
+            frame = recv_frame(self.results, 200)
+            if frame is not None:
+                return self._decode_worker(frame)
+
+    def _decode_worker(self, frame: bytes) -> msgspec.Struct:
+        try:
+            msg = self.worker_dec.decode(frame)
+        except ProtocolError as e:
+            raise EngineFatal(f"undecodable message from a worker: {e}") from None
+        rank = getattr(msg, "rank", None)
+        if isinstance(rank, int) and 0 <= rank < self.world_size:
+            self.last_seen[rank] = time.monotonic()
+        return msg
+
+    def _maybe_ping(self) -> None:
+        now = time.monotonic()
+        if now - self.last_ping >= PING_INTERVAL_S:
+            self.last_ping = now
+            self.ping_nonce += 1
+            self.pub.send(self.encoder.encode(HealthPing(self.ping_nonce)))
+
+    def _check_alive(self) -> None:
+        if os.getppid() != self.parent_pid:
+            raise EngineFatal("the frontend process died")
+        now = time.monotonic()
+        for rank, t in enumerate(self.last_seen):
+            if now - t > self.config.worker_timeout_s:
+                raise EngineFatal(
+                    f"rank {rank} has not responded for {now - t:.1f} s "
+                    f"(worker_timeout_s={self.config.worker_timeout_s})"
+                )
+
+    @staticmethod
+    def _describe_error(msg: WorkerError) -> str:
+        text = f"worker rank {msg.rank} failed: {msg.message}"
+        if msg.traceback:
+            text += "\n" + msg.traceback
+        return text
+
+    # ------------------------------------------------------------------ shutdown
+
+    def fail_all(self, reason: str) -> None:
+        """Every in-flight request ends with finish_reason 'error' and the reason."""
+        outs = [
+            RequestOutput(request_id=r, new_token_ids=[], finish_reason="error", error=reason)
+            for r in sorted(self.inflight)
+        ]
+        self.inflight.clear()
+        try:
+            if outs:
+                self._send_frontend(EngineOutputs(outs, time.time()))
+            self._send_frontend(EngineDead(reason))
+        except zmq.ZMQError:
+            pass
+
+    def close(self, reason: str = "") -> None:
+        try:
+            self.pub.send(self.encoder.encode(Shutdown(reason)))
+        except zmq.ZMQError:
+            pass
+        for s in (self.req_sock, self.pub, self.results):
+            s.close(0)
+        self.out_sock.close(1000)
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    raw = os.environ.get("TANDEM_CONFIG")
+    config = msgspec.json.decode(raw.encode(), type=EngineConfig) if raw else EngineConfig()
+    endpoints = Endpoints.from_env()
+    if endpoints is None:
+        sys.stderr.write("engine core: TANDEM_ENDPOINTS is not set\n")
+        return 2
+    world_size = int(os.environ.get("WORLD_SIZE", str(config.tensor_parallel_size)))
+    core = EngineCore(config, endpoints, world_size)
+    code = 0
+    reason = "shutdown"
+    try:
+        core.handshake()
+        core.run()
+    except EngineFatal as e:
+        reason = str(e)
+        sys.stderr.write(f"engine core: {reason.splitlines()[0]}\n")
+        code = 1
+    except Exception as e:  # a bug here must still fail every request loudly
+        import traceback
+
+        reason = f"engine core crashed: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        sys.stderr.write(reason)
+        code = 1
+    finally:
+        if code:
+            core.fail_all(reason)
+        core.close(reason)
+    return code

@@ -1,0 +1,71 @@
+"""The engine's own step timeline, for the host-overhead breakdown (`--breakdown`).
+
+Off by default. When on, each step appends one row of wall-clock phase durations; a handful
+of perf_counter reads and one list append per step, so it does not perturb what it measures.
+"""
+
+from __future__ import annotations
+
+from protocol.messages import ModelRunnerOutput, SchedulerOutput
+
+# Row layout (microseconds except where noted). worker_* come from rank 0's own clock.
+COLUMNS = [
+    "start_s",  # perf_counter seconds at step start
+    "schedule_us",
+    "encode_us",
+    "broadcast_us",  # PUB send
+    "wait_us",  # send -> rank 0's tokens back (includes everything the worker did)
+    "update_us",
+    "emit_us",  # RequestOutputs to the frontend
+    "worker_prep_us",  # apply diff + build inputs
+    "worker_forward_us",
+    "worker_sample_us",
+    "num_tokens",
+    "frame_bytes",
+]
+
+
+class StepTimeline:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.rows: list[list[float]] = []
+
+    def start(self) -> None:
+        self.enabled = True
+        self.rows = []
+
+    def stop(self) -> list[list[float]]:
+        self.enabled = False
+        rows, self.rows = self.rows, []
+        return rows
+
+    def record(
+        self,
+        t0: float,
+        t1: float,
+        t2: float,
+        t3: float,
+        t4: float,
+        t5: float,
+        t6: float,
+        so: SchedulerOutput,
+        out: ModelRunnerOutput,
+        frame_bytes: int,
+    ) -> None:
+        w = list(out.timings_us) + [0.0, 0.0, 0.0]
+        self.rows.append(
+            [
+                t0,
+                (t1 - t0) * 1e6,
+                (t2 - t1) * 1e6,
+                (t3 - t2) * 1e6,
+                (t4 - t3) * 1e6,
+                (t5 - t4) * 1e6,
+                (t6 - t5) * 1e6,
+                w[0],
+                w[1],
+                w[2],
+                float(so.total_num_scheduled_tokens),
+                float(frame_bytes),
+            ]
+        )

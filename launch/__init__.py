@@ -1,0 +1,7 @@
+"""Launcher (`python -m launch`), process supervision and the Python API."""
+
+from launch.llm import LLM
+from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
+from protocol.messages import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "StreamEvent"]

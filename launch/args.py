@@ -1,0 +1,75 @@
+"""Command-line flags shared by the launcher and the benchmark scripts.
+
+Engine options map 1:1 onto EngineConfig fields (`--block-size` -> block_size); torchrun's
+flags keep torchrun's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from protocol.config import EngineConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'268435456', '256M', '1.5GiB' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 2G, 1073741824)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_torchrun_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("torchrun-style process options")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    g.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    g.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="rendezvous port (the engine's tcp sockets use the next four); "
+        "default: a free port on one node, 29500 with --nnodes > 1",
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine options")
+    g.add_argument(
+        "--model",
+        default=default_model,
+        help="dummy:tiny, smollm2, a Hugging Face directory or a .gguf file",
+    )
+    g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--prefix-hash", default=d.prefix_hash, choices=["sha256", "fast"])
+    g.add_argument("--async-scheduling", action="store_true")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--debug-invariants", action="store_true")
+    g.add_argument("--enable-checksum", action="store_true")
+    g.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keyword arguments (minus model and TP size) found in parsed args."""
+    fields = set(EngineConfig.__struct_fields__) - {"model", "tensor_parallel_size"}
+    return {k: v for k, v in vars(args).items() if k in fields}

@@ -1,0 +1,218 @@
+"""The frontend's connection to the engine core: send requests, route outputs to their callers.
+
+A background thread owns the PULL socket and dispatches each RequestOutput to the sink of its
+request; callers own no socket. When the engine dies (EngineDead, or a process the supervisor
+saw exit) every unfinished request gets finish_reason "error" with the cause.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
+from protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    HealthReport,
+    HealthRequest,
+    ProfileRequest,
+    RequestOutput,
+    SamplingParams,
+    ShutdownEngine,
+)
+from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is gone; the message says why."""
+
+
+@dataclass
+class Tracked:
+    """Frontend-side state of one in-flight request."""
+
+    request_id: str
+    index: int
+    sink: queue.Queue[tuple[Tracked, RequestOutput, float]]
+    arrival_time: float
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class EngineClient:
+    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
+        secret = secret_from_env()
+        self.ctx = zmq.Context.instance()
+        self.push = make_socket(self.ctx, zmq.PUSH, endpoints.requests, bind=False, secret=secret)
+        self.pull = make_socket(self.ctx, zmq.PULL, endpoints.outputs, bind=False, secret=secret)
+        self.encoder = Encoder()
+        self.decoder = engine_decoder(max_frame_bytes)
+        self.send_lock = threading.Lock()
+        self.tracked: dict[str, Tracked] = {}
+        self.tracked_lock = threading.Lock()
+        self.ready: EngineReady | None = None
+        self.ready_event = threading.Event()
+        self.dead_reason: str | None = None
+        self.replies: queue.Queue[msgspec.Struct] = queue.Queue()
+        self._ids = itertools.count()
+        self._closing = False
+        self._thread = threading.Thread(target=self._recv_loop, name="tandem-outputs", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ sending
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        with self.send_lock:  # the encoder's buffer and the socket are not thread-safe
+            self.push.send(self.encoder.encode(msg))
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        sink: queue.Queue[tuple[Tracked, RequestOutput, float]],
+        index: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Tracked:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        now = time.time()
+        tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
+        with self.tracked_lock:
+            if request_id in self.tracked:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self.tracked[request_id] = tr
+        try:
+            packed = pack(prompt_token_ids)
+        except (OverflowError, TypeError) as e:
+            self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
+            return tr
+        self._send(
+            AddRequest(
+                request_id=request_id,
+                prompt_token_ids=packed,
+                sampling_params=params,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=now,
+            )
+        )
+        return tr
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids and self.dead_reason is None:
+            self._send(AbortRequests(list(request_ids)))
+
+    def health(self, timeout_s: float = 5.0) -> HealthReport:
+        nonce = int(time.monotonic_ns() & 0x7FFFFFFF)
+        self._send(HealthRequest(nonce))
+        return self._reply(HealthReport, timeout_s)
+
+    def profile(
+        self, enable: bool, trace_dir: str = "", timeout_s: float = 30.0
+    ) -> EngineStats | None:
+        self._send(ProfileRequest(enable, trace_dir))
+        if enable:
+            return None
+        return self._reply(EngineStats, timeout_s)
+
+    def _reply(self, kind: type, timeout_s: float):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            try:
+                msg = self.replies.get(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no {kind.__name__} from the engine in {timeout_s} s"
+                    ) from None
+                continue
+            if isinstance(msg, kind):
+                return msg
+
+    # ------------------------------------------------------------------ receiving
+
+    def _recv_loop(self) -> None:
+        while not self._closing:
+            try:
+                frame = recv_frame(self.pull, 100)
+            except zmq.ZMQError:
+                return
+            if frame is None:
+                continue
+            try:
+                msg = self.decoder.decode(frame)
+            except ProtocolError as e:
+                self.mark_dead(f"undecodable message from the engine core: {e}")
+                return
+            if isinstance(msg, EngineOutputs):
+                self._dispatch(msg)
+            elif isinstance(msg, EngineReady):
+                self.ready = msg
+                self.ready_event.set()
+            elif isinstance(msg, EngineDead):
+                self.mark_dead(msg.reason)
+            else:
+                self.replies.put(msg)
+
+    def _dispatch(self, batch: EngineOutputs) -> None:
+        for out in batch.outputs:
+            with self.tracked_lock:
+                tr = self.tracked.get(out.request_id)
+                if tr is not None and out.finish_reason is not None:
+                    del self.tracked[out.request_id]
+            if tr is not None:
+                tr.sink.put((tr, out, batch.timestamp))
+
+    def _finish_locally(self, tr: Tracked, reason: str) -> None:
+        with self.tracked_lock:
+            self.tracked.pop(tr.request_id, None)
+        out = RequestOutput(
+            request_id=tr.request_id, new_token_ids=[], finish_reason="error", error=reason
+        )
+        tr.sink.put((tr, out, time.time()))
+
+    def mark_dead(self, reason: str) -> None:
+        """Fail every unfinished request with `reason` (idempotent)."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        with self.tracked_lock:
+            pending = list(self.tracked.values())
+            self.tracked.clear()
+        now = time.time()
+        for tr in pending:
+            out = RequestOutput(
+                request_id=tr.request_id, new_token_ids=[], finish_reason="error", error=reason
+            )
+            tr.sink.put((tr, out, now))
+        self.ready_event.set()
+
+    def shutdown_engine(self) -> None:
+        if self.dead_reason is None:
+            try:
+                self._send(ShutdownEngine())
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self._closing = True
+        self._thread.join(timeout=1.0)
+        self.push.close(0)
+        self.pull.close(0)

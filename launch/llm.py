@@ -1,0 +1,347 @@
+"""The Python API: `with LLM(model=..., tensor_parallel_size=N) as llm: llm.generate(...)`."""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from launch.client import EngineClient, EngineDeadError, Tracked
+from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
+from launch.processes import (
+    ProcessGroup,
+    base_env,
+    free_port,
+    start_engine_core,
+)
+from launch.processes import (
+    start_workers as start_local_workers,
+)
+from protocol.config import EngineConfig
+from protocol.messages import HealthReport, SamplingParams
+from protocol.messages import RequestOutput as WireOutput
+from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
+
+Prompt = str | Sequence[int]
+Sink = queue.Queue[tuple[Tracked, WireOutput, float]]
+
+ENGINE_OPTIONS = set(EngineConfig.__struct_fields__) - {"model", "tensor_parallel_size"}
+
+
+def _engine_config(model: str, tensor_parallel_size: int, options: dict[str, Any]) -> EngineConfig:
+    unknown = sorted(set(options) - ENGINE_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(ENGINE_OPTIONS)}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    return EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
+
+
+class LLM:
+    """Starts an engine core and its worker ranks; generate() / generate_stream() / shutdown().
+
+    Multi-node: the instance on node 0 passes nnodes, master_addr and master_port; every other
+    node runs `python -m launch --node-rank R ...`, which starts only workers.
+    `start_workers=False` starts only the engine core, for workers launched by `torchrun`.
+    """
+
+    def __init__(
+        self,
+        model: str = "dummy:tiny",
+        tensor_parallel_size: int = 1,
+        *,
+        load_tokenizer: bool = True,
+        nnodes: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        start_workers: bool = True,
+        startup_timeout_s: float = 600.0,
+        **engine_options: Any,
+    ) -> None:
+        self.config = _engine_config(model, tensor_parallel_size, engine_options)
+        self.group = ProcessGroup(on_failure=self._on_process_failure)
+        self.client: EngineClient | None = None
+        self._ipc_dir: str | None = None
+        self._closed = False
+        if tensor_parallel_size % nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {tensor_parallel_size} is not divisible by nnodes {nnodes}"
+            )
+        endpoints, self._ipc_dir = ipc_endpoints()
+        port = master_port or free_port()
+        if nnodes > 1 or not start_workers:
+            # Workers on other nodes (or started by torchrun) reach the core over tcp, next to
+            # the rendezvous port, as workers.worker derives it.
+            remote = tcp_endpoints(master_addr, port + 1)
+            endpoints = Endpoints(
+                requests=endpoints.requests,
+                outputs=endpoints.outputs,
+                broadcast=remote.broadcast,
+                results=remote.results,
+            )
+        env = base_env(self.config, endpoints)
+        atexit.register(self.shutdown)
+        try:
+            start_engine_core(self.group, env, tensor_parallel_size)
+            if start_workers:
+                start_local_workers(
+                    self.group,
+                    env,
+                    nproc_per_node=tensor_parallel_size // nnodes,
+                    nnodes=nnodes,
+                    node_rank=0,
+                    master_addr=master_addr,
+                    master_port=port,
+                )
+            self.group.watch()
+            self.client = EngineClient(endpoints, self.config.max_frame_bytes)
+            self.tokenizer = self._load_tokenizer() if load_tokenizer else None
+            self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ start-up / shutdown
+
+    def _load_tokenizer(self) -> Any:
+        from launch.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.config.model)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.client is not None
+        deadline = time.monotonic() + timeout_s
+        while not self.client.ready_event.wait(0.1):
+            if self.group.failure is not None:
+                raise RuntimeError(f"engine failed to start: {self.group.failure}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not ready after {timeout_s} s")
+        if self.client.dead_reason is not None:
+            raise RuntimeError(f"engine failed to start: {self.client.dead_reason}")
+        assert self.client.ready is not None
+        self.info = self.client.ready
+
+    def _on_process_failure(self, cause: str) -> None:
+        if self.client is not None and not self._closed:
+            self.client.mark_dead(f"engine process {cause}")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every process this LLM started; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.group.stop_watching()
+        if self.client is not None:
+            self.client.shutdown_engine()
+            self.group.wait_all(timeout_s)
+        self.group.terminate()
+        if self.client is not None:
+            self.client.close()
+        if self._ipc_dir is not None:
+            remove_ipc_dir(self._ipc_dir)
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ requests
+
+    def _client(self) -> EngineClient:
+        if self.client is None or self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        if self.client.dead_reason is not None:
+            raise EngineDeadError(self.client.dead_reason)
+        return self.client
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"model {self.config.model!r} has no tokenizer: pass token-id lists"
+                )
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def apply_chat_template(self, message: str) -> str:
+        if self.tokenizer is None or not self.tokenizer.has_chat_template:
+            return message
+        return str(self.tokenizer.apply_chat_template(message))
+
+    def _submit(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        sink: Sink,
+        priority: Sequence[int] | None,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        client = self._client()
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        results: list[RequestOutput] = []
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            ids = self.encode(p)
+            rid = client.new_request_id()
+            tr = client.add_request(
+                rid,
+                ids,
+                sp,
+                sink,
+                index=i,
+                priority=priority[i] if priority else 0,
+                cache_salt=cache_salt,
+            )
+            results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
+        return results
+
+    @staticmethod
+    def _apply(res: RequestOutput, out: WireOutput, ts: float) -> None:
+        if out.new_token_ids:
+            if res.metrics.first_token_time is None:
+                res.metrics.first_token_time = ts
+            res.token_ids.extend(out.new_token_ids)
+            res.metrics.token_times.extend([ts] * len(out.new_token_ids))
+            if out.new_logprobs is not None:
+                res.logprobs = (res.logprobs or []) + list(out.new_logprobs)
+        if out.num_cached_tokens:
+            res.metrics.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason is not None:
+            res.finish_reason = out.finish_reason
+            res.error = out.error
+            res.metrics.finished_time = ts
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        plist = _as_list(prompts)
+        sink: Sink = queue.Queue()
+        results = self._submit(plist, sampling_params, sink, priority, cache_salt)
+        bar = _progress(len(results)) if use_tqdm and len(results) > 1 else None
+        pending = len(results)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while pending:
+                tr, out, ts = _get(sink, deadline)
+                res = results[tr.index]
+                self._apply(res, out, ts)
+                if out.finish_reason is not None:
+                    pending -= 1
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            self._client().abort([r.request_id for r in results if not r.finished])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.tokenizer is not None:
+            for r in results:
+                r.text = self.tokenizer.decode(r.token_ids)
+        return results
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Yield new tokens (and text deltas) of every prompt as they are generated.
+
+        Closing the iterator early aborts the requests still running.
+        """
+        plist = _as_list(prompts)
+        sink: Sink = queue.Queue()
+        results = self._submit(plist, sampling_params, sink, priority, cache_salt)
+        detoks = self._detokenizers(results)
+        pending = len(results)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while pending:
+                tr, out, ts = _get(sink, deadline)
+                res = results[tr.index]
+                self._apply(res, out, ts)
+                delta = detoks[tr.index].add(out.new_token_ids) if detoks else None
+                if out.finish_reason is not None:
+                    pending -= 1
+                yield StreamEvent(
+                    tr.index,
+                    tr.request_id,
+                    list(out.new_token_ids),
+                    delta,
+                    out.finish_reason,
+                    out.error,
+                )
+        finally:
+            if pending and self.client is not None and self.client.dead_reason is None:
+                self.client.abort([r.request_id for r in results if not r.finished])
+
+    def _detokenizers(self, results: list[RequestOutput]) -> list[Any]:
+        if self.tokenizer is None:
+            return []
+        from launch.tokenizer import IncrementalDetokenizer
+
+        return [IncrementalDetokenizer(self.tokenizer) for _ in results]
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._client().abort(request_ids)
+
+    def health(self, timeout_s: float = 5.0) -> HealthReport:
+        """Liveness of every rank (seconds since each was last heard) and forward progress."""
+        return self._client().health(timeout_s)
+
+    def start_profile(self, trace_dir: str = "") -> None:
+        """torch.profiler on every rank (Chrome traces in trace_dir) + the step timeline."""
+        self._client().profile(True, trace_dir)
+
+    def stop_profile(self) -> Any:
+        """Stops profiling; returns EngineStats with the step timeline rows."""
+        return self._client().profile(False)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    seq = list(prompts)
+    if seq and isinstance(seq[0], int):
+        return [seq]  # one token-id prompt
+    return seq
+
+
+def _get(sink: Sink, deadline: float | None) -> tuple[Tracked, WireOutput, float]:
+    while True:
+        try:
+            return sink.get(timeout=0.5)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("generation did not finish in time") from None
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

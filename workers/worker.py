@@ -1,0 +1,221 @@
+"""The worker process: receive diff -> apply -> forward -> sample -> (rank 0) send tokens.
+
+Every rank runs this same loop. Started by the launcher, or by the real `torchrun`
+(`torchrun --nproc-per-node 2 -m workers`): it reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT, plus TANDEM_CONFIG (engine options as JSON) and TANDEM_ENDPOINTS (where the engine core
+listens; derived from MASTER_ADDR/MASTER_PORT when absent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from protocol.codec import Encoder, ProtocolError, broadcast_decoder
+from protocol.config import EngineConfig
+from protocol.messages import (
+    HealthPing,
+    HealthPong,
+    ProfileControl,
+    ResetPrefixCache,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerHello,
+    WorkerReady,
+)
+from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env, tcp_endpoints
+
+logger = logging.getLogger("tandem.worker")
+
+# The engine core publishes a HealthPing at least every PING_INTERVAL_S while alive; a worker
+# that hears nothing for CORE_SILENCE_S decides the core is gone and exits (no orphans).
+CORE_SILENCE_S = 1.5
+POLL_MS = 100
+
+
+def config_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> EngineConfig:
+    raw = env.get("TANDEM_CONFIG")
+    if not raw:
+        return EngineConfig()
+    return msgspec.json.decode(raw.encode(), type=EngineConfig)
+
+
+def endpoints_from_env() -> Endpoints:
+    ep = Endpoints.from_env()
+    if ep is not None:
+        return ep
+    # Started by a plain torchrun: the scheduler listens next to the rendezvous port.
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    return tcp_endpoints(host, port + 1)
+
+
+def set_torch_threads(local_world_size: int) -> None:
+    import torch
+
+    if "TANDEM_NUM_THREADS" in os.environ:
+        n = int(os.environ["TANDEM_NUM_THREADS"])
+    else:
+        n = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(n)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        from workers.distributed import init_distributed
+        from workers.model_runner import ModelRunner
+
+        self.config = config
+        self.dist = init_distributed(config.device)
+        self.rank = self.dist.rank
+        self.runner = ModelRunner(config, self.dist)
+        self.runner.load_model()
+        self.num_blocks = self.runner.init_kv_cache()
+        self.encoder = Encoder()
+        self.decoder = broadcast_decoder(config.max_frame_bytes)
+        self.last_step_id = -1
+        self.profiler = None
+
+    def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sub = make_socket(self.ctx, zmq.SUB, endpoints.broadcast, bind=False, secret=secret)
+        self.push = make_socket(
+            self.ctx, zmq.PUSH, endpoints.results, bind=False, secret=secret, linger_ms=1000
+        )
+        cfg = self.runner.model_config
+        self.push.send(
+            self.encoder.encode(
+                WorkerHello(
+                    rank=self.rank,
+                    world_size=self.dist.world_size,
+                    pid=os.getpid(),
+                    hostname=socket.gethostname(),
+                    device=str(self.dist.device),
+                    num_blocks=self.num_blocks,
+                    vocab_size=cfg.vocab_size,
+                    max_model_len=self.runner.max_model_len,
+                    eos_token_id=cfg.eos_token_id,
+                )
+            )
+        )
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.push.send(self.encoder.encode(msg))
+
+    def run(self) -> int:
+        """Serve until Shutdown, core silence or parent death. Returns the exit code."""
+        parent = os.getppid()
+        last_heard = time.monotonic()
+        while True:
+            frame = recv_frame(self.sub, POLL_MS)
+            now = time.monotonic()
+            if frame is None:
+                if os.getppid() != parent:
+                    logger.error("rank %d: parent process died; exiting", self.rank)
+                    return 1
+                if now - last_heard > CORE_SILENCE_S:
+                    logger.error(
+                        "rank %d: no message from the engine core for %.1f s; exiting",
+                        self.rank,
+                        now - last_heard,
+                    )
+                    return 1
+                continue
+            last_heard = now
+            try:
+                msg = self.decoder.decode(frame)
+            except ProtocolError as e:
+                # A corrupt broadcast means this rank can no longer trust its state.
+                self.fail(f"bad broadcast frame: {e}", "")
+                return 1
+            if isinstance(msg, SchedulerOutput):
+                self.execute(msg)
+            elif isinstance(msg, HealthPing):
+                if msg.nonce < 0:  # start-up sync ping: say this SUB socket is live
+                    self.send(WorkerReady(rank=self.rank, nonce=msg.nonce))
+                else:
+                    self.send(
+                        HealthPong(rank=self.rank, nonce=msg.nonce, last_step_id=self.last_step_id)
+                    )
+            elif isinstance(msg, Shutdown):
+                return 0
+            elif isinstance(msg, ProfileControl):
+                self.set_profiler(msg.enable, msg.trace_dir)
+            elif isinstance(msg, ResetPrefixCache):
+                pass  # KV contents need no reset: the scheduler only forgets hashes
+
+    def execute(self, so: SchedulerOutput) -> None:
+        out = self.runner.execute(so)
+        self.last_step_id = so.step_id
+        if out is not None and (self.rank == 0 or self.config.enable_checksum):
+            self.push.send(self.encoder.encode(out))
+
+    def fail(self, message: str, tb: str) -> None:
+        try:
+            self.send(
+                WorkerError(
+                    rank=self.rank, message=message, traceback=tb, step_id=self.last_step_id
+                )
+            )
+        except zmq.ZMQError:
+            pass
+
+    def set_profiler(self, enable: bool, trace_dir: str) -> None:
+        import torch
+
+        if enable and self.profiler is None:
+            self.profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]
+                + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+            )
+            self.profiler.__enter__()
+            self.trace_dir = trace_dir or "."
+        elif not enable and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            os.makedirs(self.trace_dir, exist_ok=True)
+            path = os.path.join(self.trace_dir, f"trace_rank{self.rank}.json")
+            self.profiler.export_chrome_trace(path)
+            logger.info("rank %d: wrote torch.profiler trace %s", self.rank, path)
+            self.profiler = None
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    config = config_from_env()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    set_torch_threads(local_world)
+    rank = int(os.environ.get("RANK", "0"))
+    worker: Worker | None = None
+    try:
+        worker = Worker(config)
+        worker.connect(endpoints_from_env(), secret_from_env())
+        code = worker.run()
+    except Exception as e:  # report, with traceback, before dying
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        if worker is not None and hasattr(worker, "push"):
+            worker.fail(f"rank {rank}: {type(e).__name__}: {e}", tb)
+        code = 1
+    finally:
+        if worker is not None and hasattr(worker, "push"):
+            worker.sub.close(0)
+            worker.push.close(1000)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and code == 0:
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    return code
