@@ -1,0 +1,1 @@
+"""Small shared test helpers (tiny HF checkpoints, attention metadata builders)."""

@@ -1,0 +1,43 @@
+"""Write a tiny random Hugging Face Llama checkpoint (config.json + safetensors) for tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def make_tiny_hf_llama(path: str, seed: int = 0, **overrides) -> str:
+    """Save a random transformers LlamaForCausalLM in `path` and return `path`.
+
+    initializer_range 0.2 (not HF's 0.02) so greedy tokens depend on the context.
+    """
+    import transformers
+
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**kwargs)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    # HF inits norms to 1 and biases to 0; randomize them so those code paths are exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
+    """Reference logits [len, vocab] (float32) from transformers for one prompt."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()

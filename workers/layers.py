@@ -1,0 +1,150 @@
+"""Tensor-parallel building blocks: vocab-parallel embedding / LM head, column- and row-parallel
+linears, RMSNorm and rotary embeddings.
+
+Each layer holds only this rank's shard. Weights are filled by the model's loader (llama.py), which
+knows the fused layouts; the layers only compute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import tp_all_gather, tp_all_reduce
+
+
+def pad_to_multiple(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 so bf16/fp16 runs do not lose the small variances.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * V/tp, (rank+1) * V/tp) of the (padded) vocabulary live on this rank."""
+
+    def __init__(self, vocab: int, hidden: int, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.vocab = vocab
+        self.rows = pad_to_multiple(vocab, tp_size) // tp_size
+        self.start = tp_rank * self.rows
+        self.weight = _param((self.rows, hidden), dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        # Other ranks own these ids: look up row 0 and zero it, the all-reduce fills them in.
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel output projection; every rank ends with the identical full logits."""
+
+    def __init__(self, embedding: VocabParallelEmbedding | None, vocab: int, hidden: int,
+                 tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.vocab = vocab
+        self.rows = pad_to_multiple(vocab, tp_size) // tp_size
+        self.start = tp_rank * self.rows
+        # Tied embeddings share the embedding's shard (same vocab split), nothing to load.
+        self.tied = embedding
+        self.weight = None if embedding is not None else _param((self.rows, hidden), dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.tied.weight if self.tied is not None else self.weight
+        logits = F.linear(hidden, weight).float()
+        return tp_all_gather(logits, dim=-1)[..., : self.vocab]
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_shard = x @ W_shard^T (+ b_shard): output features split over ranks, no communication."""
+
+    def __init__(self, in_features: int, out_per_rank: int, bias: bool,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((out_per_rank, in_features), dtype, device)
+        self.bias = _param((out_per_rank,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial products are summed with one all-reduce."""
+
+    def __init__(self, in_per_rank: int, out_features: int, bias: bool, tp_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((out_features, in_per_rank), dtype, device)
+        # The bias is added once, after the reduce, so it is not counted tp_size times.
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies (float64) for rotary embeddings, with linear or llama3 scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX / HF Llama) layout; cos/sin precomputed once for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 device: torch.device):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+        self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> rotated, same dtype."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, hd/2]
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,94 @@
+"""Model hyper-parameters, read from a HF config.json dict, a GGUF header or a dummy preset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# Architectures whose weights follow the Llama layout (Qwen2 only adds a q/k/v bias).
+_LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # HF Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
+    o_proj_bias: bool = False
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type not in _LLAMA_LIKE:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; expected one of {sorted(_LLAMA_LIKE)}")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        qwen2 = model_type == "qwen2"
+        attention_bias = True if qwen2 else bool(d.get("attention_bias", False))
+        # transformers >= 5 folds rope_theta and rope_scaling into one rope_parameters dict.
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = float(d.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+        rope.pop("rope_theta", None)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else rope
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):  # llama3 lists several; the first is the canonical one
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            o_proj_bias=attention_bias and not qwen2,
+        )
+
+
+# Random-weight presets. std 0.2 makes greedy tokens depend on the context (at HF's default 0.02 a
+# tiny model emits one token whatever the prompt, and a broken attention would go unnoticed).
+DUMMY_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "micro": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+DUMMY_INIT_STD = 0.2
+
+
+def dummy_config(name: str) -> ModelConfig:
+    """Config of a `dummy:<preset>` model name (a fresh copy, safe to modify)."""
+    preset = name.split(":", 1)[1] if ":" in name else name
+    if preset not in DUMMY_PRESETS:
+        raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
+    return replace(DUMMY_PRESETS[preset])
