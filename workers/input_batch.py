@@ -1,0 +1,394 @@
+"""Persistent batch and request-state cache of one worker.
+
+Every rank keeps the same state: it applies the step diff (protocol.messages.SchedulerOutput)
+to preallocated numpy arrays whose active rows stay contiguous, builds the model inputs
+with vectorized ops, and appends its own sampled tokens. A steady decode step touches no
+per-request Python object; only requests that changed cost Python work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from protocol.messages import SamplingParams, SchedulerOutput
+from workers.sampler import SamplingMetadata, make_generator
+
+
+class StateMismatchError(RuntimeError):
+    """The diff does not fit this worker's state: computing on would be silently wrong."""
+
+
+def unpack_i32(data: bytes, what: str = "field") -> np.ndarray:
+    if len(data) % 4:
+        raise StateMismatchError(f"packed int32 {what} has {len(data)} bytes")
+    return np.frombuffer(data, dtype="<i4")
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """What a worker remembers of a request, also while it is preempted.
+
+    While the request is in the batch its row is authoritative for tokens, block table and
+    num_computed_tokens; output_token_ids is synced from the row when it leaves the batch.
+    """
+
+    handle: int
+    prompt_token_ids: np.ndarray  # int32
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # per-request seed; None = the shared generator
+    output_token_ids: list[int] = field(default_factory=list)
+    row: int = -1  # -1 = not in the batch (preempted)
+
+
+@dataclass
+class BatchInputs:
+    """Host-side model inputs of one step (numpy); ModelRunner moves them to the device."""
+
+    rows: np.ndarray  # [R] batch rows scheduled this step, in query order
+    num_scheduled: np.ndarray  # [R] int32
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R+1] int32
+    seq_lens: np.ndarray  # [R] int32
+    block_table: np.ndarray  # [R, W] int32, 0-padded
+    logits_indices: np.ndarray  # [S] int64: last token of each request that samples
+    sample_rows: np.ndarray  # [S] batch rows that sample, same order
+    max_query_len: int
+    max_seq_len: int
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        max_blocks_per_req: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = max_blocks_per_req or -(-max_model_len // block_size) + 1
+        self.device = torch.device(device)
+        m = max_num_reqs
+        # +1 column: the token sampled at position max_model_len - 1 still has a slot.
+        self.token_ids = np.zeros((m, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(m, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(m, dtype=np.int32)
+        self.block_table = np.zeros((m, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(m, dtype=np.int32)
+        self.num_scheduled = np.zeros(m, dtype=np.int32)
+        self.handles = np.full(m, -1, dtype=np.int32)
+        self.temperature = np.ones(m, dtype=np.float32)
+        self.top_k = np.zeros(m, dtype=np.int32)
+        self.top_p = np.ones(m, dtype=np.float32)
+        self.min_p = np.zeros(m, dtype=np.float32)
+        self.want_logprobs = np.zeros(m, dtype=bool)
+        self.seeded = np.zeros(m, dtype=bool)
+        self.num_seeded = 0  # rows with a per-request generator
+        self.generators: list[torch.Generator | None] = [None] * m
+        self._arrays = (
+            self.num_tokens, self.num_computed_tokens, self.num_blocks, self.num_scheduled,
+            self.handles, self.temperature, self.top_k, self.top_p, self.min_p,
+            self.want_logprobs, self.seeded,
+        )  # fmt: skip
+        self.states: dict[int, CachedRequestState] = {}
+        self.num_rows = 0  # rows in use, holes included; == num_reqs once condensed
+        self._holes: list[int] = []
+        self.last_step_id = -1
+        self._arange = np.arange(m + 1, dtype=np.int64)
+
+    # ---------------------------------------------------------------- rows
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_rows - len(self._holes)
+
+    def add_request(self, st: CachedRequestState, block_ids: np.ndarray, num_computed: int) -> int:
+        """Put a (new or resumed) request into a free row; returns the row."""
+        if self._holes:
+            row = self._holes.pop(0)  # holes are few; lowest first keeps rows compact
+        elif self.num_rows < self.max_num_reqs:
+            row = self.num_rows
+            self.num_rows += 1
+        else:
+            raise StateMismatchError(f"more than max_num_reqs={self.max_num_reqs} running")
+        n_prompt = len(st.prompt_token_ids)
+        n_tok = n_prompt + len(st.output_token_ids)
+        if n_tok > self.max_model_len:
+            raise StateMismatchError(
+                f"request {st.handle} has {n_tok} tokens > max_model_len={self.max_model_len}"
+            )
+        self.token_ids[row, :n_prompt] = st.prompt_token_ids
+        self.token_ids[row, n_prompt:n_tok] = st.output_token_ids
+        self.num_tokens[row] = n_tok
+        self.num_computed_tokens[row] = num_computed
+        self._set_blocks(row, block_ids, st.handle)
+        sp = st.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_k[row] = sp.top_k
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.want_logprobs[row] = sp.logprobs
+        self.generators[row] = st.generator
+        self.seeded[row] = st.generator is not None
+        self.num_seeded += st.generator is not None
+        self.handles[row] = st.handle
+        st.row = row
+        return row
+
+    def remove_request(self, st: CachedRequestState, keep_tokens: bool) -> None:
+        """Take a request's row out of the batch (a hole until condense)."""
+        row = st.row
+        if keep_tokens:  # preempted: the row is about to be reused, save the outputs
+            n_prompt = len(st.prompt_token_ids)
+            st.output_token_ids = self.token_ids[row, n_prompt : self.num_tokens[row]].tolist()
+        self.handles[row] = -1
+        self.generators[row] = None
+        self.num_seeded -= bool(self.seeded[row])
+        self.seeded[row] = False
+        st.row = -1
+        self._holes.append(row)
+        self._holes.sort()
+
+    def condense(self) -> None:
+        """Move the last active rows into the holes so rows [0, num_reqs) are active."""
+        holes = self._holes
+        while holes:
+            last = self.num_rows - 1
+            if holes[-1] == last:  # trailing hole: just shrink
+                holes.pop()
+                self.num_rows -= 1
+                continue
+            dst = holes.pop(0)
+            self._move_row(last, dst)
+            self.num_rows -= 1
+
+    def _move_row(self, src: int, dst: int) -> None:
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.block_table[dst] = self.block_table[src]
+        for a in self._arrays:
+            a[dst] = a[src]
+        self.generators[dst] = self.generators[src]
+        self.generators[src] = None
+        self.states[int(self.handles[dst])].row = dst
+        self.handles[src] = -1
+        self.seeded[src] = False
+
+    def _set_blocks(self, row: int, block_ids: np.ndarray, handle: int) -> None:
+        nb = len(block_ids)
+        if nb > self.max_blocks_per_req:
+            raise StateMismatchError(
+                f"request {handle}: {nb} blocks > max_blocks_per_req={self.max_blocks_per_req}"
+            )
+        self.block_table[row, :nb] = block_ids
+        self.block_table[row, nb:] = 0  # pad with the null block
+        self.num_blocks[row] = nb
+
+    def token_ids_of(self, handle: int) -> list[int]:
+        """All tokens (prompt + outputs) the worker holds for a request."""
+        st = self._state(handle)
+        if st.row < 0:
+            return st.prompt_token_ids.tolist() + st.output_token_ids
+        return self.token_ids[st.row, : self.num_tokens[st.row]].tolist()
+
+    def _state(self, handle: int) -> CachedRequestState:
+        st = self.states.get(handle)
+        if st is None:
+            raise StateMismatchError(f"unknown request handle {handle}")
+        return st
+
+    # ---------------------------------------------------------------- the diff
+
+    def apply(self, so: SchedulerOutput) -> None:
+        """Apply one step's diff in the protocol's order; raises StateMismatchError."""
+        if so.step_id != self.last_step_id + 1:
+            raise StateMismatchError(
+                f"step gap: expected step {self.last_step_id + 1}, got {so.step_id}"
+            )
+        if so.spec_handles or so.spec_token_counts or so.spec_token_ids:
+            raise NotImplementedError("speculative decoding is not implemented by workers yet")
+        for h in unpack_i32(so.finished_handles, "finished_handles").tolist():
+            st = self.states.pop(h, None)
+            if st is None:
+                raise StateMismatchError(f"finished handle {h} is unknown")
+            if st.row >= 0:
+                self.remove_request(st, keep_tokens=False)
+        for h in unpack_i32(so.preempted_handles, "preempted_handles").tolist():
+            st = self._state(h)
+            if st.row < 0:
+                raise StateMismatchError(f"preempted handle {h} is not running")
+            self.remove_request(st, keep_tokens=True)
+        fresh: list[tuple[CachedRequestState, int]] = []
+        for r in so.resumed_reqs:
+            st = self._state(r.handle)
+            if st.row >= 0:
+                raise StateMismatchError(f"resumed handle {r.handle} is already running")
+            self.add_request(st, unpack_i32(r.block_ids, "block_ids"), r.num_computed_tokens)
+            fresh.append((st, r.num_scheduled_tokens))
+        for nr in so.new_reqs:
+            if nr.handle in self.states:
+                raise StateMismatchError(f"new handle {nr.handle} is already known")
+            sp = nr.sampling_params
+            gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+            prompt = unpack_i32(nr.prompt_token_ids, "prompt_token_ids").astype(np.int32)
+            st = CachedRequestState(nr.handle, prompt, sp, gen)
+            self.states[nr.handle] = st
+            self.add_request(st, unpack_i32(nr.block_ids, "block_ids"), nr.num_computed_tokens)
+            fresh.append((st, nr.num_scheduled_tokens))
+        self.condense()
+        self._append_blocks(so)
+        self._set_schedule(so, fresh)
+        n = self.num_rows
+        if so.num_running != n:
+            raise StateMismatchError(
+                f"num_running: scheduler says {so.num_running}, worker has {n}"
+            )
+        total = int(self.num_scheduled[:n].sum())
+        if so.total_num_scheduled_tokens != total:
+            raise StateMismatchError(
+                f"total_num_scheduled_tokens: scheduler says {so.total_num_scheduled_tokens}, "
+                f"worker counts {total}"
+            )
+        self.last_step_id = so.step_id
+
+    def _append_blocks(self, so: SchedulerOutput) -> None:
+        cr = so.cached_reqs
+        if not cr.handles:
+            return
+        handles = unpack_i32(cr.handles, "cached handles").tolist()
+        counts = unpack_i32(cr.new_block_counts, "new_block_counts")
+        ids = unpack_i32(cr.new_block_ids, "new_block_ids")
+        if len(counts) != len(handles) or int(counts.sum()) != len(ids) or (counts < 0).any():
+            raise StateMismatchError("cached_reqs: handles, counts and block ids disagree")
+        start = 0
+        for h, c in zip(handles, counts.tolist(), strict=True):
+            row = self._running_row(h, "cached_reqs")
+            nb = int(self.num_blocks[row])
+            if nb + c > self.max_blocks_per_req:
+                raise StateMismatchError(f"request {h}: block table overflow")
+            self.block_table[row, nb : nb + c] = ids[start : start + c]
+            self.num_blocks[row] = nb + c
+            start += c
+
+    def _set_schedule(self, so: SchedulerOutput, fresh: list[tuple[CachedRequestState, int]]):
+        self.num_scheduled[: self.num_rows] = 1  # default: one token for every running request
+        if so.sched_override_handles or so.sched_override_counts:
+            handles = unpack_i32(so.sched_override_handles, "sched_override_handles").tolist()
+            counts = unpack_i32(so.sched_override_counts, "sched_override_counts")
+            if len(counts) != len(handles) or (counts < 0).any():
+                raise StateMismatchError("sched_override handles and counts disagree")
+            fresh_handles = {st.handle for st, _ in fresh}
+            for h, c in zip(handles, counts.tolist(), strict=True):
+                if h in fresh_handles:
+                    raise StateMismatchError(f"override for new/resumed handle {h}")
+                self.num_scheduled[self._running_row(h, "sched_override")] = c
+        for st, c in fresh:
+            if c < 0:
+                raise StateMismatchError(f"negative num_scheduled_tokens for {st.handle}")
+            self.num_scheduled[st.row] = c
+
+    def _running_row(self, handle: int, what: str) -> int:
+        st = self.states.get(handle)
+        if st is None or st.row < 0:
+            raise StateMismatchError(f"{what}: handle {handle} is not running")
+        return st.row
+
+    # ---------------------------------------------------------------- inputs
+
+    def prepare_inputs(self) -> BatchInputs:
+        """Vectorized model inputs for the scheduled rows (call after apply)."""
+        n = self.num_rows
+        counts_all = self.num_scheduled[:n]
+        computed_all = self.num_computed_tokens[:n]
+        bs = self.block_size
+        if (counts_all == 1).all():  # steady decode: one token per row, no repeat needed
+            rows = self._arange[:n]
+            counts = counts_all
+            computed = computed_all
+            req = rows
+            positions = computed.astype(np.int64)
+            qsl = self._arange[: n + 1].astype(np.int32)
+        else:
+            rows = np.flatnonzero(counts_all)
+            counts = counts_all[rows]
+            computed = computed_all[rows]
+            cu = np.cumsum(counts, dtype=np.int64)
+            total = int(cu[-1]) if len(cu) else 0
+            req = np.repeat(rows, counts)
+            offsets = self._arange_tokens(total) - np.repeat(cu - counts, counts)
+            positions = np.repeat(computed, counts).astype(np.int64) + offsets
+            qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+            qsl[1:] = cu
+        seq_lens = computed + counts
+        num_tokens = self.num_tokens[rows]
+        # Never compute on tokens the worker does not hold or KV slots it was not given.
+        if (seq_lens > num_tokens).any() or (seq_lens > self.num_blocks[rows] * bs).any():
+            bad = np.flatnonzero((seq_lens > num_tokens) | (seq_lens > self.num_blocks[rows] * bs))
+            h = int(self.handles[rows[bad[0]]])
+            raise StateMismatchError(
+                f"request {h}: scheduled up to {int(seq_lens[bad[0]])} tokens, holds "
+                f"{int(num_tokens[bad[0]])} tokens and {int(self.num_blocks[rows[bad[0]]])} blocks"
+            )
+        input_ids = self.token_ids[req, positions].astype(np.int64)
+        block_idx = positions // bs
+        slot_mapping = self.block_table[req, block_idx].astype(np.int64) * bs + positions % bs
+        max_seq_len = int(seq_lens.max()) if len(rows) else 0
+        width = -(-max_seq_len // bs)
+        sampling = seq_lens >= num_tokens
+        if sampling.all():
+            logits_indices = qsl[1:].astype(np.int64) - 1
+            sample_rows = rows
+        else:
+            sel = np.flatnonzero(sampling)
+            logits_indices = qsl[1:][sel].astype(np.int64) - 1
+            sample_rows = rows[sel]
+        return BatchInputs(
+            rows=rows,
+            num_scheduled=counts,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens.astype(np.int32),
+            block_table=self.block_table[rows, :width],
+            logits_indices=logits_indices,
+            sample_rows=sample_rows,
+            max_query_len=int(counts.max()) if len(rows) else 0,
+            max_seq_len=max_seq_len,
+        )
+
+    def _arange_tokens(self, total: int) -> np.ndarray:
+        if total > len(self._arange):
+            self._arange = np.arange(max(total, 2 * len(self._arange)), dtype=np.int64)
+        return self._arange[:total]
+
+    def sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata:
+        gens: dict[int, torch.Generator] = {}
+        if self.num_seeded:  # only seeded rows cost Python work
+            for i in np.flatnonzero(self.seeded[sample_rows]).tolist():
+                g = self.generators[int(sample_rows[i])]
+                assert g is not None
+                gens[i] = g
+        return SamplingMetadata(
+            temperature=self.temperature[sample_rows],
+            top_k=self.top_k[sample_rows],
+            top_p=self.top_p[sample_rows],
+            min_p=self.min_p[sample_rows],
+            generators=gens,
+            need_logprobs=bool(self.want_logprobs[sample_rows].any()),
+        )
+
+    def update_after_step(self, inputs: BatchInputs, sampled: np.ndarray) -> None:
+        """Advance num_computed_tokens by what was scheduled; append the sampled tokens."""
+        self.num_computed_tokens[inputs.rows] += inputs.num_scheduled
+        rows = inputs.sample_rows
+        if len(rows):
+            self.token_ids[rows, self.num_tokens[rows]] = sampled
+            self.num_tokens[rows] += 1
