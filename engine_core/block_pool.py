@@ -1,0 +1,89 @@
+"""BlockPool: owns every KVCacheBlock, the free queue and the prefix-cache hash map.
+
+A free block may still hold a cached prefix (it keeps its hash until reused), so "free" means
+"evictable": the free queue doubles as the LRU list of cache candidates. Block 0 is the null
+block: a placeholder id that is never handed out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_core.free_block_queue import FreeKVCacheBlockQueue
+from engine_core.kv_cache_block import KVCacheBlock
+from engine_core.request import BlockHash, Request
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # one block per hash: a second block computing the same content simply stays uncached
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_cached: int, num_full: int
+    ) -> None:
+        """Register blocks[num_cached:num_full] of ``request`` (all full) in the hash map."""
+        table = self.cached_block_hash_to_block
+        hashes = request.block_hashes
+        for i in range(num_cached, num_full):
+            block = blocks[i]
+            if block.block_hash is not None:  # a prefix-cache hit: already registered
+                continue
+            h = hashes[i]
+            if h not in table:
+                block.block_hash = h
+                table[h] = block
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take blocks from the LRU end; a reused cache candidate loses its hash entry."""
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        table = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None:
+                del table[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A prefix-cache hit: one more holder; a free block leaves the free queue."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one holder each; blocks reaching 0 join the MRU end in the given order."""
+        freed = []
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                freed.append(block)
+        self.free_block_queue.append_n(freed)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)

@@ -1,0 +1,78 @@
+"""Prefix-cache block hashes: a chain over full blocks, hash(parent, block tokens, extra keys).
+
+Chaining makes a block's hash name its whole prefix, so one dict lookup per block finds the
+longest cached prefix. ``cache_salt`` goes into the first block's extra keys, so requests with
+different salts never share anything. "sha256" is collision safe (the default: a collision
+would silently serve another prompt's KV); "fast" uses Python's 64-bit tuple hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from engine_core.request import BlockHash, Request
+
+HashFn = Callable[[Any, Sequence[int], Any], BlockHash]
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def sha256_block_hash(parent: bytes | None, tokens: Sequence[int], extra: Any) -> bytes:
+    # msgpack gives an unambiguous byte string for (parent, tokens, extra) and is fast
+    return hashlib.sha256(_encode((parent, tokens, extra))).digest()
+
+
+def fast_block_hash(parent: int | None, tokens: Sequence[int], extra: Any) -> int:
+    return hash((parent, tuple(tokens), extra))
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_block_hash, "fast": fast_block_hash}
+
+
+def get_hash_fn(name: str) -> HashFn:
+    try:
+        return HASH_FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown prefix_hash {name!r} (expected 'sha256' or 'fast')") from None
+
+
+def hash_request_tokens(
+    hash_fn: HashFn, block_size: int, tokens: Sequence[int], cache_salt: str | None = None
+) -> list[BlockHash]:
+    """Hashes of every full block of ``tokens`` (a reference implementation for tests)."""
+    out: list[BlockHash] = []
+    parent = None
+    for i in range(len(tokens) // block_size):
+        extra = (cache_salt,) if (i == 0 and cache_salt is not None) else None
+        parent = hash_fn(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        out.append(parent)
+    return out
+
+
+class BlockHasher:
+    """Extends ``request.block_hashes`` to cover every full block of its tokens.
+
+    Called when a request is added and whenever an appended token fills a block, so hashing
+    cost is paid once per block, never per step.
+    """
+
+    def __init__(self, block_size: int, hash_fn: HashFn) -> None:
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+
+    def __call__(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        i = len(hashes)
+        parent = hashes[-1] if hashes else None
+        hash_fn = self.hash_fn
+        while (i + 1) * bs <= request.num_tokens:
+            extra = (request.cache_salt,) if (i == 0 and request.cache_salt is not None) else None
+            parent = hash_fn(parent, tokens[i * bs : (i + 1) * bs], extra)
+            hashes.append(parent)
+            i += 1

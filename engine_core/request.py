@@ -1,0 +1,169 @@
+"""One generation request as the scheduler sees it (vLLM v1 naming).
+
+There is no prefill or decode phase: a request only has ``num_computed_tokens`` and
+``num_tokens_with_spec``; the scheduler closes the gap between the two under a token budget.
+Hot fields are plain attributes (kept up to date on append) rather than properties, because
+the scheduler reads them for every running request on every step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+from protocol.codec import pack
+from protocol.messages import SamplingParams
+
+# Hash of one full block; bytes (sha256) or int (fast), see kv_cache_hashing.
+BlockHash = Any
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # everything from here on is finished
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+    FINISHED_ERROR = 7
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+
+# RequestOutput.finish_reason for each finished status
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "error",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_NEVER = 1 << 62  # "no block boundary to hash at" when prefix caching is off
+
+
+class Request:
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "packed_prompt",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "all_token_ids",
+        "output_token_ids",
+        "num_prompt_tokens",
+        "num_tokens",
+        "num_tokens_with_spec",
+        "spec_token_ids",
+        "num_computed_tokens",
+        "num_output_placeholders",
+        "num_cached_tokens",
+        "num_preemptions",
+        "status",
+        "handle",
+        "max_tokens",
+        "min_tokens",
+        "stop_ids",
+        "error",
+        "block_hashes",
+        "_block_hasher",
+        "_next_hash_at",
+        "_hash_block_size",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        # packed once here so admission (a hot path) never re-packs the prompt
+        self.packed_prompt = pack(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens
+        self.num_tokens_with_spec = self.num_tokens
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # tokens being sampled by an in-flight step but not yet appended (async scheduling)
+        self.num_output_placeholders = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet admitted
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.handle: int | None = None  # integer name on the worker wire, set on first schedule
+        self.max_tokens = sampling_params.max_tokens
+        self.min_tokens = sampling_params.min_tokens
+        self.error: str | None = None
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher: Callable[[Request], None] | None = None
+        self._next_hash_at = _NEVER
+        self._hash_block_size = 0
+        self._set_stop_ids()
+
+    def _set_stop_ids(self) -> None:
+        # one set lookup per sampled token instead of separate EOS / stop-id checks
+        ids = set(self.sampling_params.stop_token_ids)
+        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
+            ids.add(self.eos_token_id)
+        self.stop_ids = frozenset(ids)
+
+    def set_eos_token_id(self, eos_token_id: int | None) -> None:
+        self.eos_token_id = eos_token_id
+        self._set_stop_ids()
+
+    def set_block_hasher(self, hasher: Callable[[Request], None], block_size: int) -> None:
+        """Attach the prefix-cache hasher and hash every full block of the prompt."""
+        self._block_hasher = hasher
+        self._hash_block_size = block_size
+        hasher(self)
+        self._next_hash_at = (len(self.block_hashes) + 1) * block_size
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        n = self.num_tokens + 1
+        self.num_tokens = n
+        self.num_tokens_with_spec = n + len(self.spec_token_ids)
+        if n >= self._next_hash_at:  # a block just became full: extend the hash chain
+            hasher = self._block_hasher
+            assert hasher is not None
+            hasher(self)
+            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
+
+    def set_spec_token_ids(self, token_ids: list[int]) -> None:
+        self.spec_token_ids = list(token_ids)
+        self.num_tokens_with_spec = self.num_tokens + len(self.spec_token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, handle={self.handle}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

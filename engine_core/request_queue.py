@@ -1,0 +1,100 @@
+"""Waiting queues: FCFS (a deque) and PRIORITY (a heap).
+
+Preempted requests go back to the *front* of the FCFS queue (they were admitted first); the
+priority heap orders by (priority, arrival_time, request_id), lower values first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from engine_core.request import Request
+
+
+class RequestQueue(Protocol):
+    def add_request(self, request: Request) -> None: ...
+    def prepend_request(self, request: Request) -> None: ...
+    def peek_request(self) -> Request: ...
+    def pop_request(self) -> Request: ...
+    def remove_requests(self, requests: Iterable[Request]) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
+    def __bool__(self) -> bool: ...
+
+
+class FCFSRequestQueue:
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self._q.append(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek_request(self) -> Request:
+        return self._q[0]
+
+    def pop_request(self) -> Request:
+        return self._q.popleft()
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._q = deque(r for r in self._q if id(r) not in gone)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityRequestQueue:
+    """Heap of (priority, arrival_time, request_id, request); ids are unique, so the request
+    object itself is never compared."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, str, Request]] = []
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, request.request_id, request)
+        )
+
+    # a preempted request simply goes back by its own key: its priority did not change
+    prepend_request = add_request
+
+    def peek_request(self) -> Request:
+        return self._heap[0][3]
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [e for e in self._heap if id(e[3]) not in gone]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In priority order (sorts a copy: for inspection, not for hot paths)."""
+        return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
+
+
+def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+    if policy == "fcfs":
+        return FCFSRequestQueue()
+    if policy == "priority":
+        return PriorityRequestQueue()
+    raise ValueError(f"unknown scheduling_policy {policy!r} (expected 'fcfs' or 'priority')")

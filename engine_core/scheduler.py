@@ -1,0 +1,409 @@
+"""The Scheduler: one token budget per step shared by every request (vLLM v1 semantics).
+
+Each request has ``num_computed_tokens`` and ``num_tokens_with_spec``; a step gives each
+request part of the gap between them. Decodes (gap 1), prefill chunks (gap = rest of the
+prompt), recompute after preemption and speculative drafts are all the same rule.
+
+Order: running requests first, in admission order; on KV exhaustion the scheduler preempts
+(recompute) and retries. Waiting requests are admitted only if nothing was preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_core.invariants import check_block_pool, check_scheduler_queues
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.request import FINISH_REASONS, Request, RequestStatus
+from engine_core.request_queue import create_request_queue
+from engine_core.scheduler_output_builder import StepDiff
+from protocol.codec import pack, unpack
+from protocol.config import EngineConfig
+from protocol.messages import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    ResumedRequestData,
+    SchedulerOutput,
+)
+
+RUNNING = RequestStatus.RUNNING
+STOPPED = RequestStatus.FINISHED_STOPPED
+LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.config = config
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.long_prefill_token_threshold = max(0, config.long_prefill_token_threshold)
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.scheduling_policy
+        self.eos_token_id = eos_token_id
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_hash
+        )
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self._by_handle: dict[int, Request] = {}  # requests the workers know
+        self._next_handle = 0
+        self._step_id = 0
+        self._finished_handles: list[int] = []  # to tell the workers in the next step
+        self._pending_outputs: list[RequestOutput] = []
+        self._spec_by_step: dict[int, dict[int, list[int]]] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.eos_token_id is None and self.eos_token_id is not None:
+            request.set_eos_token_id(self.eos_token_id)
+        reason = self._refusal_reason(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.error = reason
+            self._pending_outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason="error",
+                    error=reason,
+                )
+            )
+            return
+        self.kv_cache_manager.attach_hasher(request)
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def _refusal_reason(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            return "prompt is empty: at least one token is needed"
+        if n > self.max_model_len:
+            return f"prompt has {n} tokens, more than max_model_len {self.max_model_len}"
+        usable = self.kv_cache_manager.num_blocks - 1
+        need = -(-n // self.block_size)
+        if need > usable:
+            return (
+                f"prompt has {n} tokens and needs {need} KV cache blocks of "
+                f"{self.block_size}, but the cache has only {usable}"
+            )
+        return None
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finish (abort) waiting or running requests; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        assert RequestStatus.is_finished(finished_status), finished_status
+        from_waiting: list[Request] = []
+        from_running: set[int] = set()
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RUNNING:
+                from_running.add(id(req))
+            else:
+                from_waiting.append(req)
+            if finished_status != RequestStatus.FINISHED_ABORTED and req.error is None:
+                req.error = f"request finished by the engine ({finished_status.name})"
+            self._free_request(req, finished_status)
+            self._pending_outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    new_token_ids=[],
+                    finish_reason=FINISH_REASONS[finished_status],
+                    error=req.error,
+                )
+            )
+        if from_running:
+            self.running = [r for r in self.running if id(r) not in from_running]
+        if from_waiting:
+            self.waiting.remove_requests(from_waiting)
+
+    def _free_request(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and release everything; the caller removes it from its queue."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        if req.handle is not None:  # the workers know it: tell them to forget it
+            self._finished_handles.append(req.handle)
+            del self._by_handle[req.handle]
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        diff = StepDiff()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(diff, budget)
+        if not diff.preempted:
+            self._schedule_waiting(diff, budget)
+        step_id = self._step_id
+        self._step_id += 1
+        self.num_steps += 1
+        if diff.spec:
+            self._spec_by_step[step_id] = diff.spec
+        finished, self._finished_handles = self._finished_handles, []
+        return diff.build(step_id, finished, len(self.running))
+
+    def _schedule_running(self, diff: StepDiff, budget: int) -> int:
+        running = self.running
+        allocate = self.kv_cache_manager.allocate_slots
+        threshold = self.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        overrides = diff.overrides
+        total = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = req.num_tokens_with_spec + req.num_output_placeholders - computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > max_model_len - computed:  # never compute a position >= max_model_len
+                n = max_model_len - computed
+            if n <= 0:
+                overrides[req.handle] = 0
+                i += 1
+                continue
+            new_blocks = allocate(req, n)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                vi = running.index(victim)
+                if victim is not req and vi < i:  # already scheduled: give its budget back
+                    given = diff.forget(victim.handle)  # type: ignore[arg-type]
+                    budget += given
+                    total -= given
+                    i -= 1
+                if victim is req and len(running) == 1:
+                    # alone and still no room: it can never grow, so it stops here
+                    running.pop()
+                    self._finish_in_schedule(req, LENGTH_CAPPED, diff)
+                    break
+                self._preempt(victim, vi, diff)
+                if victim is req:
+                    break
+                new_blocks = allocate(req, n)
+            if new_blocks is None:  # req itself was preempted or finished: running shrank
+                continue
+            handle = req.handle
+            if new_blocks:
+                diff.grown[handle] = new_blocks  # type: ignore[index]
+            if n != 1:
+                overrides[handle] = n  # type: ignore[index]
+                if req.spec_token_ids:
+                    self._take_spec_tokens(req, n, diff)
+            req.num_computed_tokens = computed + n
+            budget -= n
+            total += n
+            i += 1
+        for req in running[i:]:  # out of budget: the rest sit this step out
+            overrides[req.handle] = 0  # type: ignore[index]
+        diff.total += total
+        return budget
+
+    def _take_spec_tokens(self, req: Request, n: int, diff: StepDiff) -> None:
+        num_drafts = n - (req.num_tokens - req.num_computed_tokens)
+        if num_drafts > 0:
+            diff.spec[req.handle] = req.spec_token_ids[:num_drafts]  # type: ignore[index]
+        req.set_spec_token_ids([])
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            # worst = largest (priority, arrival_time); the later-admitted one on ties
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, index: int, diff: StepDiff) -> None:
+        """Preemption by recompute: free every block, start over (tokens are kept)."""
+        del self.running[index]
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0
+        victim.set_spec_token_ids([])
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        diff.preempted.append(victim.handle)  # type: ignore[arg-type]
+        self.waiting.prepend_request(victim)
+
+    def _finish_in_schedule(self, req: Request, status: RequestStatus, diff: StepDiff) -> None:
+        diff.forget(req.handle)  # type: ignore[arg-type]
+        self._free_request(req, status)
+        self._pending_outputs.append(
+            RequestOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason=FINISH_REASONS[status]
+            )
+        )
+
+    def _schedule_waiting(self, diff: StepDiff, budget: int) -> None:
+        waiting = self.waiting
+        running = self.running
+        kvm = self.kv_cache_manager
+        threshold = self.long_prefill_token_threshold
+        chunked = self.enable_chunked_prefill
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting.peek_request()
+            hits, num_hit = kvm.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            # without chunking a prompt must fit whole (unless it could never fit)
+            if not chunked and budget < n <= self.max_num_batched_tokens:
+                break
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, self.max_model_len - num_hit)
+            if kvm.allocate_slots(req, n, num_hit, hits) is None:
+                break
+            waiting.pop_request()
+            running.append(req)
+            req.status = RUNNING
+            req.num_computed_tokens = num_hit
+            block_ids = pack(kvm.get_block_ids(req))
+            if req.handle is None:
+                req.num_cached_tokens = num_hit
+                req.handle = handle = self._next_handle
+                self._next_handle += 1
+                self._by_handle[handle] = req
+                diff.new_reqs.append(
+                    NewRequestData(
+                        handle=handle,
+                        prompt_token_ids=req.packed_prompt,
+                        sampling_params=req.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=num_hit,
+                        num_scheduled_tokens=n,
+                    )
+                )
+            else:
+                diff.resumed_reqs.append(
+                    ResumedRequestData(
+                        handle=req.handle,
+                        block_ids=block_ids,
+                        num_computed_tokens=num_hit,
+                        num_scheduled_tokens=n,
+                    )
+                )
+            req.num_computed_tokens = num_hit + n
+            budget -= n
+            diff.total += n
+
+    # ------------------------------------------------------------------ model results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        handles = unpack(model_output.req_handles)
+        tokens = unpack(model_output.sampled_token_ids)
+        spec = self._spec_by_step.pop(scheduler_output.step_id, None)
+        if model_output.num_tokens:
+            counts = unpack(model_output.num_tokens)
+        else:
+            counts = None
+        by_handle = self._by_handle
+        max_model_len = self.max_model_len
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        pos = 0
+        for k, handle in enumerate(handles):
+            if counts is None:
+                new = tokens[k : k + 1]
+            else:
+                new = tokens[pos : pos + counts[k]]
+                pos += counts[k]
+            req = by_handle.get(handle)
+            # finished / preempted since the step was planned, or a partial prefill chunk
+            if req is None or req.status != RUNNING or req.num_computed_tokens < req.num_tokens:
+                continue
+            if spec is not None and handle in spec:
+                # drafts beyond the accepted ones were computed on wrong tokens: recompute
+                req.num_computed_tokens -= len(spec[handle]) - (len(new) - 1)
+            status = None
+            for j, tok in enumerate(new):
+                req.append_output_token(tok)
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
+                n_out = len(req.output_token_ids)
+                if tok in req.stop_ids and n_out >= req.min_tokens:
+                    status = STOPPED
+                elif n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+                    status = LENGTH_CAPPED
+                if status is not None:
+                    new = new[: j + 1]
+                    break
+            if status is None:
+                if len(req.output_token_ids) == len(new) and req.num_cached_tokens > 0:
+                    outputs.append(
+                        RequestOutput(
+                            request_id=req.request_id,
+                            new_token_ids=new,
+                            num_cached_tokens=req.num_cached_tokens,
+                        )
+                    )
+                else:
+                    outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=new))
+            else:
+                outputs.append(
+                    RequestOutput(
+                        request_id=req.request_id,
+                        new_token_ids=new,
+                        finish_reason=FINISH_REASONS[status],
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                    )
+                )
+                self._free_request(req, status)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status == RUNNING]
+        return outputs
+
+    # ------------------------------------------------------------------ introspection
+
+    def get_stats(self) -> dict[str, float]:
+        kvm = self.kv_cache_manager
+        return {
+            "kv_usage": kvm.usage,
+            "num_free_blocks": float(kvm.num_free_blocks),
+            "prefix_cache_queries": float(kvm.prefix_cache_queries),
+            "prefix_cache_hits": float(kvm.prefix_cache_hits),
+            "prefix_cache_hit_rate": kvm.prefix_cache_hits / max(1, kvm.prefix_cache_queries),
+            "num_running": float(len(self.running)),
+            "num_waiting": float(len(self.waiting)),
+            "num_preemptions": float(self.num_preemptions),
+            "num_steps": float(self.num_steps),
+        }
+
+    def check_invariants(self) -> None:
+        kvm = self.kv_cache_manager
+        check_block_pool(kvm.block_pool, kvm.req_to_blocks.values())
+        check_scheduler_queues(
+            self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs
+        )
+        for r in self.running:
+            assert self._by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]

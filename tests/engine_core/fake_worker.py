@@ -1,0 +1,174 @@
+"""A fake worker for scheduler tests, driven only by the wire diffs.
+
+It keeps its own running set, token lists, block tables and a simulated KV cache (each slot
+holds a fingerprint of the prefix ending at that position), so a test catches a scheduler
+that sends an inconsistent diff or points a request at a block holding someone else's KV.
+Tokens are a deterministic function of a request's own tokens, so runs with and without KV
+pressure must produce the same outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.request import Request
+from engine_core.scheduler import Scheduler
+from protocol.codec import Decoder, Encoder, pack, unpack
+from protocol.config import EngineConfig
+from protocol.messages import ModelRunnerOutput, RequestOutput, SamplingParams, SchedulerOutput
+
+
+def next_token(tokens: list[int]) -> int:
+    """Deterministic 'model': depends on the whole context, never returns 0..9."""
+    return 10 + (sum(t * (i + 1) for i, t in enumerate(tokens)) * 7919 + len(tokens)) % 997
+
+
+@dataclass
+class _State:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+class FakeWorker:
+    def __init__(self, block_size: int, roundtrip: bool = True) -> None:
+        self.block_size = block_size
+        self.reqs: dict[int, _State] = {}
+        self.running: set[int] = set()
+        self.kv: dict[tuple[int, int], int] = {}  # (block_id, slot) -> prefix fingerprint
+        self.next_step = 0
+        self.roundtrip = roundtrip  # encode/decode every diff, as the real wire does
+        self._enc = Encoder()
+        self._dec: Decoder[SchedulerOutput] = Decoder(SchedulerOutput)
+        self.last_num_scheduled: dict[int, int] = {}
+
+    def _slot(self, st: _State, pos: int) -> tuple[int, int]:
+        bs = self.block_size
+        assert pos // bs < len(st.block_ids), f"position {pos} beyond the block table"
+        return st.block_ids[pos // bs], pos % bs
+
+    def _check_prefix(self, st: _State, upto: int) -> None:
+        for p in range(upto):
+            fp = hash(tuple(st.tokens[: p + 1]))
+            assert self.kv.get(self._slot(st, p)) == fp, f"stale KV at position {p}"
+
+    def step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.roundtrip:
+            so = self._dec.decode(self._enc.encode(so))
+        assert so.step_id == self.next_step, f"step gap: {so.step_id} != {self.next_step}"
+        self.next_step += 1
+        for h in unpack(so.finished_handles):
+            assert h in self.reqs, f"finished unknown handle {h}"
+            del self.reqs[h]
+            self.running.discard(h)
+        for h in unpack(so.preempted_handles):
+            assert h in self.running, f"preempted handle {h} is not running"
+            self.running.remove(h)
+            self.reqs[h].block_ids = []
+        sched: dict[int, int] = {h: 1 for h in self.running}
+        to_check: list[_State] = []  # prefix-cache hits, checked once this step's KV is written
+        for nr in so.new_reqs:
+            assert nr.handle not in self.reqs, f"new handle {nr.handle} already known"
+            st = _State(unpack(nr.prompt_token_ids), unpack(nr.block_ids), nr.num_computed_tokens)
+            self.reqs[nr.handle] = st
+            to_check.append(st)
+            self.running.add(nr.handle)
+            sched[nr.handle] = nr.num_scheduled_tokens
+        for rr in so.resumed_reqs:
+            assert rr.handle in self.reqs and rr.handle not in self.running
+            st = self.reqs[rr.handle]
+            st.block_ids = unpack(rr.block_ids)
+            st.num_computed = rr.num_computed_tokens
+            to_check.append(st)
+            self.running.add(rr.handle)
+            sched[rr.handle] = rr.num_scheduled_tokens
+        cr = so.cached_reqs
+        flat = unpack(cr.new_block_ids)
+        pos = 0
+        for h, c in zip(unpack(cr.handles), unpack(cr.new_block_counts), strict=True):
+            assert h in self.running
+            self.reqs[h].block_ids.extend(flat[pos : pos + c])
+            pos += c
+        assert pos == len(flat)
+        for h, c in zip(
+            unpack(so.sched_override_handles), unpack(so.sched_override_counts), strict=True
+        ):
+            assert h in self.running
+            sched[h] = c
+        assert len(self.running) == so.num_running, (len(self.running), so.num_running)
+        assert sum(sched.values()) == so.total_num_scheduled_tokens
+        self.last_num_scheduled = {h: n for h, n in sched.items() if n}
+        # like paged attention: every token's KV is written before anyone reads (a request
+        # may hit blocks another request fills in this same step)
+        for h, n in sched.items():
+            st = self.reqs[h]
+            assert st.num_computed + n <= len(st.tokens), "scheduled past the known tokens"
+            for p in range(st.num_computed, st.num_computed + n):
+                self.kv[self._slot(st, p)] = hash(tuple(st.tokens[: p + 1]))
+        for st in to_check:
+            self._check_prefix(st, st.num_computed)
+        handles, toks = [], []
+        for h, n in sched.items():
+            if n == 0:
+                continue
+            st = self.reqs[h]
+            st.num_computed += n
+            if st.num_computed == len(st.tokens):
+                tok = next_token(st.tokens)
+                st.tokens.append(tok)
+                handles.append(h)
+                toks.append(tok)
+        return ModelRunnerOutput(
+            step_id=so.step_id, rank=0, req_handles=pack(handles), sampled_token_ids=pack(toks)
+        )
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    max_model_len: int = 256,
+    max_num_batched_tokens: int = 64,
+    eos_token_id: int | None = None,
+    **cfg: object,
+) -> Scheduler:
+    config = EngineConfig(debug_invariants=True, **cfg)  # type: ignore[arg-type]
+    return Scheduler(config, num_blocks, max_model_len, max_num_batched_tokens, eos_token_id)
+
+
+def make_request(
+    rid: str,
+    prompt: list[int],
+    max_tokens: int = 8,
+    priority: int = 0,
+    arrival: float = 0.0,
+    eos: int | None = None,
+    **sp: object,
+) -> Request:
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **sp),  # type: ignore[arg-type]
+        eos,
+        arrival,
+        priority=priority,
+    )
+
+
+def run_to_completion(
+    sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000
+) -> dict[str, list[RequestOutput]]:
+    """Step until nothing is left; returns every output per request id."""
+    outs: dict[str, list[RequestOutput]] = {}
+    for o in sched.take_outputs():
+        outs.setdefault(o.request_id, []).append(o)
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return outs
+        so = sched.schedule()
+        for o in sched.update_from_output(so, worker.step(so)) + sched.take_outputs():
+            outs.setdefault(o.request_id, []).append(o)
+        sched.check_invariants()
+    raise AssertionError("requests did not finish")
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
