@@ -1,0 +1,146 @@
+"""ModelRunner: one worker's step = apply diff -> build inputs -> forward -> sample.
+
+Identical on every rank; the worker process loop around it decides who sends the output.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from protocol.codec import pack, pack_f32
+from protocol.config import EngineConfig
+from protocol.messages import ModelRunnerOutput, SchedulerOutput
+from workers.attention import AttentionMetadata
+from workers.distributed import DistEnv
+from workers.input_batch import BatchInputs, InputBatch
+from workers.sampler import Sampler, tokens_checksum
+
+if TYPE_CHECKING:
+    from workers.llama import LlamaForCausalLM
+    from workers.model_config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, dist: DistEnv) -> None:
+        self.config = config
+        self.dist = dist
+        self.device = torch.device(dist.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.model: LlamaForCausalLM | None = None
+        self.model_config: ModelConfig | None = None
+        self.max_model_len = config.max_model_len or 0
+        self.num_blocks = 0
+        self.sampler = Sampler(config.seed, self.device)
+        self.input_batch: InputBatch | None = None
+
+    def load_model(self) -> None:
+        from workers.loader import load_model
+
+        self.model, self.model_config = load_model(
+            self.config.model,
+            self.dist.rank,
+            self.dist.world_size,
+            self.dtype,
+            self.device,
+            seed=self.config.seed,
+        )
+        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.input_batch = InputBatch(
+            self.config.max_num_seqs, self.max_model_len, self.block_size, device=self.device
+        )
+
+    def init_kv_cache(self) -> int:
+        """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
+        if self.model is None:
+            raise RuntimeError("load_model() must run before init_kv_cache()")
+        if self.num_blocks:
+            raise RuntimeError("the KV cache is allocated once")
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override
+        else:
+            per_block = self.model.kv_cache_bytes_per_block(self.block_size)
+            num_blocks = self.config.kv_cache_memory // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory} bytes gives {num_blocks} blocks; "
+                "need at least 2 (block 0 is the null block)"
+            )
+        self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
+        return num_blocks
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled tokens (every rank computes the same ones)."""
+        assert self.input_batch is not None and self.model is not None
+        t0 = time.perf_counter()
+        batch = self.input_batch
+        batch.apply(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(step_id=so.step_id, rank=self.dist.rank, req_handles=b"")
+        inputs = batch.prepare_inputs()
+        input_ids, positions, meta = self._to_device(inputs)
+        t1 = time.perf_counter()
+
+        hidden = self.model(input_ids, positions, meta)
+        sampled = None
+        lp = None
+        if len(inputs.sample_rows):
+            idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[idx])
+            t2 = time.perf_counter()
+            md = batch.sampling_metadata(inputs.sample_rows)
+            out = self.sampler(logits, md)
+            sampled = out.token_ids.to(torch.int32).cpu().numpy()
+            if out.logprobs is not None:
+                lp = out.logprobs.float().cpu().numpy()
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # honest forward time when nothing samples
+            t2 = time.perf_counter()
+            sampled = np.zeros(0, dtype=np.int32)
+        batch.update_after_step(inputs, sampled)
+        t3 = time.perf_counter()
+
+        handles = batch.handles[inputs.sample_rows]
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            rank=self.dist.rank,
+            req_handles=pack(handles),
+            sampled_token_ids=pack(sampled),
+            logprobs=pack_f32(lp) if lp is not None else b"",
+            checksum=tokens_checksum(sampled) if self.config.enable_checksum else None,
+            timings_us=[(t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6],
+        )
+
+    def _to_device(
+        self, inputs: BatchInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(inputs.slot_mapping),
+            query_start_loc=t(inputs.query_start_loc),
+            seq_lens=t(inputs.seq_lens),
+            block_table=t(inputs.block_table),
+            query_start_loc_np=inputs.query_start_loc,
+            seq_lens_np=inputs.seq_lens,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+        return t(inputs.input_ids), t(inputs.positions), meta
