@@ -26,9 +26,10 @@ _MAX_WINDOW_TOKENS = 48
 class IncrementalDetokenizer:
     """Text deltas for one request's output tokens.
 
-    The concatenation of every `add()` result plus `finish()` equals
-    `tokenizer.decode(all_output_ids)` (up to how a character split between the prompt and the
-    output is shown: the stream shows it whole).
+    The concatenation of every `add()` result plus `finish()` is the output's text as it reads
+    after the prompt: `decode(prompt + output)` minus `decode(prompt)`. For byte-level BPE that
+    is exactly `decode(output)`; a SentencePiece model's first output word keeps the leading
+    space that `decode(output)` alone would strip.
     """
 
     def __init__(
