@@ -107,7 +107,8 @@ class GGUFSource:
         if heads is not None:
             # llama.cpp interleaves each head's rotary halves; restore HF's rotate-half order.
             w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-        full = torch.from_numpy(np.ascontiguousarray(w))
+        # Unquantized tensors come back as read-only views of the memory map: copy those.
+        full = torch.from_numpy(np.array(w, copy=not w.flags.writeable or not w.flags.c_contiguous))
         if dim is None:
             return full
         return full.narrow(dim, start, (full.shape[dim] if end is None else end) - start)

@@ -7,8 +7,8 @@ import os
 import torch
 
 
-def make_tiny_hf_llama(path: str, seed: int = 0, **overrides) -> str:
-    """Save a random transformers LlamaForCausalLM in `path` and return `path`.
+def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama", **overrides) -> str:
+    """Save a random transformers Llama (or Qwen2, arch="qwen2") in `path` and return `path`.
 
     initializer_range 0.2 (not HF's 0.02) so greedy tokens depend on the context.
     """
@@ -20,8 +20,12 @@ def make_tiny_hf_llama(path: str, seed: int = 0, **overrides) -> str:
                   rope_theta=10000.0, tie_word_embeddings=False)
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**kwargs)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**kwargs)
+        model = transformers.Qwen2ForCausalLM(cfg).eval()
+    else:
+        cfg = transformers.LlamaConfig(**kwargs)
+        model = transformers.LlamaForCausalLM(cfg).eval()
     # HF inits norms to 1 and biases to 0; randomize them so those code paths are exercised.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -34,10 +38,22 @@ def make_tiny_hf_llama(path: str, seed: int = 0, **overrides) -> str:
     return path
 
 
-def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
-    """Reference logits [len, vocab] (float32) from transformers for one prompt."""
+def hf_model(path: str):
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
+    """Reference logits [len, vocab] (float32) from transformers for one prompt."""
     with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
+        return hf_model(path)(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(path: str, token_ids: list[int], max_new: int) -> list[int]:
+    """transformers' own greedy generate (no eos stop), the new tokens only."""
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, min_new_tokens=max_new)
+    return out[0, len(token_ids) :].tolist()
