@@ -133,7 +133,7 @@ class LLM:
             return
         self._closed = True
         self.group.stop_watching()
-        if self.client is not None:
+        if self.client is not None and self.client.dead_reason is None:
             self.client.shutdown_engine()
             self.group.wait_all(timeout_s)
         self.group.terminate()
