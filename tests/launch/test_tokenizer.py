@@ -116,6 +116,7 @@ def test_smollm2_chat_template_with_system(smol: Tokenizer) -> None:
     )
 
 
+@pytest.mark.slow  # importing transformers costs seconds; the comparison itself is instant
 @pytest.mark.parametrize("text", [*TEXTS, "<|im_start|>user\nHi<|im_end|>\n"])
 def test_smollm2_matches_transformers(smol: Tokenizer, reference, text: str) -> None:
     assert smol.encode(text) == reference.encode(text, add_special_tokens=False)
