@@ -102,6 +102,8 @@ class InputBatch:
         self._holes: list[int] = []
         self.last_step_id = -1
         self._arange = np.arange(m + 1, dtype=np.int64)
+        self._flat_tokens = self.token_ids.reshape(-1)  # views, for np.take
+        self._flat_blocks = self.block_table.reshape(-1)
 
     # ---------------------------------------------------------------- rows
 
@@ -267,15 +269,22 @@ class InputBatch:
         ids = unpack_i32(cr.new_block_ids, "new_block_ids")
         if len(counts) != len(handles) or int(counts.sum()) != len(ids) or (counts < 0).any():
             raise StateMismatchError("cached_reqs: handles, counts and block ids disagree")
-        start = 0
-        for h, c in zip(handles, counts.tolist(), strict=True):
-            row = self._running_row(h, "cached_reqs")
-            nb = int(self.num_blocks[row])
-            if nb + c > self.max_blocks_per_req:
-                raise StateMismatchError(f"request {h}: block table overflow")
-            self.block_table[row, nb : nb + c] = ids[start : start + c]
-            self.num_blocks[row] = nb + c
-            start += c
+        row_list = [self._running_row(h, "cached_reqs") for h in handles]
+        if len(set(row_list)) != len(row_list):
+            raise StateMismatchError("cached_reqs lists a handle twice")
+        rows = np.array(row_list, dtype=np.int64)
+        nb = self.num_blocks[rows]
+        if (nb + counts > self.max_blocks_per_req).any():
+            raise StateMismatchError("cached_reqs: block table overflow")
+        # One scatter for all appended ids: row r's new ids go to columns nb[r], nb[r] + 1, ...
+        if (counts == 1).all():  # decode steady state: one new block each
+            flat = rows * self.max_blocks_per_req + nb
+        else:
+            cu = np.cumsum(counts, dtype=np.int64)
+            col = np.repeat(nb, counts) + np.arange(len(ids)) - np.repeat(cu - counts, counts)
+            flat = np.repeat(rows, counts) * self.max_blocks_per_req + col
+        self._flat_blocks[flat] = ids
+        self.num_blocks[rows] = nb + counts
 
     def _set_schedule(self, so: SchedulerOutput, fresh: list[tuple[CachedRequestState, int]]):
         self.num_scheduled[: self.num_rows] = 1  # default: one token for every running request
@@ -303,22 +312,26 @@ class InputBatch:
     # ---------------------------------------------------------------- inputs
 
     def prepare_inputs(self) -> BatchInputs:
-        """Vectorized model inputs for the scheduled rows (call after apply)."""
+        """Vectorized model inputs for the scheduled rows (call after apply).
+
+        The result may share memory with the batch: use it before the next apply().
+        """
         n = self.num_rows
         counts_all = self.num_scheduled[:n]
-        computed_all = self.num_computed_tokens[:n]
         bs = self.block_size
-        if (counts_all == 1).all():  # steady decode: one token per row, no repeat needed
+        sel: slice | np.ndarray
+        if (counts_all == 1).all():  # steady decode: one token per row, plain slices
+            sel = slice(0, n)
             rows = self._arange[:n]
             counts = counts_all
-            computed = computed_all
-            req = rows
+            computed = self.num_computed_tokens[:n]
             positions = computed.astype(np.int64)
+            req = rows
             qsl = self._arange[: n + 1].astype(np.int32)
         else:
-            rows = np.flatnonzero(counts_all)
+            sel = rows = np.flatnonzero(counts_all)
             counts = counts_all[rows]
-            computed = computed_all[rows]
+            computed = self.num_computed_tokens[rows]
             cu = np.cumsum(counts, dtype=np.int64)
             total = int(cu[-1]) if len(cu) else 0
             req = np.repeat(rows, counts)
@@ -327,37 +340,38 @@ class InputBatch:
             qsl = np.zeros(len(rows) + 1, dtype=np.int32)
             qsl[1:] = cu
         seq_lens = computed + counts
-        num_tokens = self.num_tokens[rows]
+        num_tokens = self.num_tokens[sel]
         # Never compute on tokens the worker does not hold or KV slots it was not given.
-        if (seq_lens > num_tokens).any() or (seq_lens > self.num_blocks[rows] * bs).any():
-            bad = np.flatnonzero((seq_lens > num_tokens) | (seq_lens > self.num_blocks[rows] * bs))
-            h = int(self.handles[rows[bad[0]]])
+        bad = (seq_lens > num_tokens) | (seq_lens > self.num_blocks[sel] * bs)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
             raise StateMismatchError(
-                f"request {h}: scheduled up to {int(seq_lens[bad[0]])} tokens, holds "
-                f"{int(num_tokens[bad[0]])} tokens and {int(self.num_blocks[rows[bad[0]]])} blocks"
+                f"request {int(self.handles[rows[i]])}: scheduled up to {int(seq_lens[i])} "
+                f"tokens, holds {int(num_tokens[i])} tokens and "
+                f"{int(self.num_blocks[rows[i]])} blocks"
             )
-        input_ids = self.token_ids[req, positions].astype(np.int64)
-        block_idx = positions // bs
-        slot_mapping = self.block_table[req, block_idx].astype(np.int64) * bs + positions % bs
+        # Flat indices into the 2-D buffers: np.take on 1-D beats 2-D fancy indexing.
+        input_ids = self._flat_tokens.take(req * self.token_ids.shape[1] + positions)
+        block_ids = self._flat_blocks.take(req * self.max_blocks_per_req + positions // bs)
+        slot_mapping = block_ids * bs + positions % bs
         max_seq_len = int(seq_lens.max()) if len(rows) else 0
-        width = -(-max_seq_len // bs)
         sampling = seq_lens >= num_tokens
         if sampling.all():
             logits_indices = qsl[1:].astype(np.int64) - 1
             sample_rows = rows
         else:
-            sel = np.flatnonzero(sampling)
-            logits_indices = qsl[1:][sel].astype(np.int64) - 1
-            sample_rows = rows[sel]
+            pick = np.flatnonzero(sampling)
+            logits_indices = qsl[1:][pick].astype(np.int64) - 1
+            sample_rows = rows[pick]
         return BatchInputs(
             rows=rows,
             num_scheduled=counts,
-            input_ids=input_ids,
+            input_ids=input_ids.astype(np.int64),
             positions=positions,
             slot_mapping=slot_mapping,
             query_start_loc=qsl,
-            seq_lens=seq_lens.astype(np.int32),
-            block_table=self.block_table[rows, :width],
+            seq_lens=seq_lens,
+            block_table=self.block_table[sel, : -(-max_seq_len // bs)],
             logits_indices=logits_indices,
             sample_rows=sample_rows,
             max_query_len=int(counts.max()) if len(rows) else 0,
