@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -39,6 +40,20 @@ logger = logging.getLogger("tandem.worker")
 # that hears nothing for CORE_SILENCE_S decides the core is gone and exits (no orphans).
 CORE_SILENCE_S = 1.5
 POLL_MS = 100
+
+
+def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
+    """TEST-ONLY fault hook: TANDEM_FAULT_INJECT="raise@step=5,rank=1" or "hang@step=5,rank=1".
+
+    Lets the reliability tests make a rank raise or go silent at a chosen step; unset in real use.
+    """
+    if not spec:
+        return None
+    kind, _, rest = spec.partition("@")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if "=" in kv)
+    if kind not in ("raise", "hang"):
+        raise ValueError(f"TANDEM_FAULT_INJECT: unknown fault {kind!r}")
+    return kind, int(opts.get("step", "0")), int(opts.get("rank", "0"))
 
 
 def config_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> EngineConfig:
@@ -83,6 +98,7 @@ class Worker:
         self.decoder = broadcast_decoder(config.max_frame_bytes)
         self.last_step_id = -1
         self.profiler = None
+        self.fault = parse_fault(os.environ.get("TANDEM_FAULT_INJECT"))
 
     def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
         self.ctx = zmq.Context.instance()
@@ -152,7 +168,20 @@ class Worker:
             elif isinstance(msg, ResetPrefixCache):
                 pass  # KV contents need no reset: the scheduler only forgets hashes
 
+    def _maybe_inject_fault(self, step_id: int) -> None:
+        if self.fault is None:
+            return
+        kind, step, rank = self.fault
+        if rank != self.rank or step_id < step:
+            return
+        self.fault = None
+        if kind == "raise":
+            raise RuntimeError(f"injected fault at step {step_id} on rank {rank}")
+        while True:  # "hang": stop answering; the core must notice; SIGTERM/KILL ends us
+            signal.pause()
+
     def execute(self, so: SchedulerOutput) -> None:
+        self._maybe_inject_fault(so.step_id)
         out = self.runner.execute(so)
         self.last_step_id = so.step_id
         if out is not None and (self.rank == 0 or self.config.enable_checksum):
