@@ -144,7 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     from launch.llm import LLM
 
     world = args.nproc_per_node * args.nnodes
-    master_port = args.master_port or (29500 if args.nnodes > 1 else None)
+    master_port = args.master_port or (29500 if args.nnodes > 1 or args.engine_only else None)
+    if args.engine_only:
+        # torchrun-started workers need the same engine options: tell the user how.
+        import msgspec
+
+        from protocol.config import EngineConfig
+
+        cfg = EngineConfig(model=args.model, tensor_parallel_size=world, **engine_options(args))
+        print(
+            f"tandem: engine core waits for {world} workers on {args.master_addr}:{master_port}; "
+            f"start them with TANDEM_CONFIG='{msgspec.json.encode(cfg).decode()}' torchrun "
+            f"--nproc-per-node {args.nproc_per_node} --master-addr {args.master_addr} "
+            f"--master-port {master_port} -m workers",
+            file=sys.stderr,
+        )
     t_start = time.monotonic()
     try:
         with LLM(
