@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from launch.detokenizer import IncrementalDetokenizer
@@ -26,7 +26,8 @@ __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
 logger = logging.getLogger(__name__)
 
 # GGUF token_type values (llama.cpp's llama_token_type).
-_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # llama.cpp names each model family's pre-tokenizer; the ones below are not plain GPT-2 regexes.
 _LLAMA3_SPLIT = (
@@ -211,7 +212,7 @@ def _hf_chat_template(path: str, config: dict[str, Any]) -> str | None:
 
 
 def load_gguf_tokenizer(path: str) -> Tokenizer:
-    """Rebuild the model's tokenizer from GGUF metadata (byte-level BPE models only)."""
+    """Rebuild the model's tokenizer from GGUF metadata (byte-level or SentencePiece BPE)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(path, "r").fields
@@ -234,27 +235,37 @@ def load_gguf_tokenizer(path: str) -> Tokenizer:
         return [field.parts[i].tolist()[0] for i in field.data]
 
     kind = scalar("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE 'gpt2')"
-        )
     tokens = array("tokenizer.ggml.tokens")
     token_types = array("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in array("tokenizer.ggml.merges")]
-    pre = scalar("tokenizer.ggml.pre", "default")
-    backend = build_byte_level_bpe(
-        tokens,
-        token_types,
-        merges,  # type: ignore[arg-type]
-        pre=pre,
-        add_prefix_space=bool(scalar("tokenizer.ggml.add_space_prefix", False)),
-    )
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in array("tokenizer.ggml.merges")]
+        backend = build_byte_level_bpe(
+            tokens,
+            token_types,
+            merges,  # type: ignore[arg-type]
+            pre=scalar("tokenizer.ggml.pre", "default"),
+            add_prefix_space=bool(scalar("tokenizer.ggml.add_space_prefix", False)),
+        )
+        add_bos_default = False
+    elif kind == "llama":
+        backend = build_sentencepiece_bpe(
+            tokens,
+            array("tokenizer.ggml.scores") or [0.0] * len(tokens),
+            token_types,
+            add_prefix_space=bool(scalar("tokenizer.ggml.add_space_prefix", True)),
+        )
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+    else:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.model={kind!r} is not supported "
+            "(byte-level BPE 'gpt2' and SentencePiece BPE 'llama' are)"
+        )
     return Tokenizer(
         backend,
         vocab_size=len(tokens),
         bos_token_id=scalar("tokenizer.ggml.bos_token_id"),
         eos_token_id=scalar("tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(scalar("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(scalar("tokenizer.ggml.add_bos_token", add_bos_default)),
         chat_template=scalar("tokenizer.chat_template"),
     )
 
@@ -284,6 +295,60 @@ def build_byte_level_bpe(
         AddedToken(tokens[i], special=t == _TOKEN_CONTROL, normalized=False)
         for i, t in enumerate(token_types)
         if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
+    if added:
+        backend.add_tokens(added)
+    return backend
+
+
+def build_sentencepiece_bpe(
+    tokens: Sequence[str],
+    scores: Sequence[float],
+    token_types: Sequence[int],
+    *,
+    add_prefix_space: bool = True,
+) -> BackendTokenizer:
+    """A SentencePiece-BPE (Llama 1/2 style) `tokenizers.Tokenizer` from GGUF vocab + scores.
+
+    SentencePiece stores no merge list: it merges whichever adjacent pair forms the
+    highest-scoring piece. Ranking every (left, right) split of each piece by that score gives
+    the equivalent merge list for a `tokenizers` BPE. Unknown bytes fall back to <0xNN> pieces.
+    """
+    vocab: dict[str, int] = {}
+    for token_id, token in enumerate(tokens):
+        vocab.setdefault(token, token_id)
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, token_id in vocab.items():
+        if token_types[token_id] != _TOKEN_NORMAL:
+            continue  # byte, control and unknown pieces are never the result of a merge
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[token_id], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unk = next((tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_UNKNOWN), None)
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for _, _, _, left, right in ranked],
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # SentencePiece writes spaces as U+2581 and (by default) starts the text with one.
+    steps = [normalizers.Replace(" ", _SPM_SPACE)]
+    if add_prefix_space:
+        steps.insert(0, normalizers.Prepend(_SPM_SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    undo = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        undo.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(undo)
+    added = [
+        AddedToken(tokens[i], special=t in (_TOKEN_CONTROL, _TOKEN_UNKNOWN), normalized=False)
+        for i, t in enumerate(token_types)
+        if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNKNOWN)
     ]
     if added:
         backend.add_tokens(added)

@@ -369,5 +369,93 @@ def test_gguf_llama3_pre_tokenizer(tmp_path: Path, byte_bpe: BackendTokenizer) -
 
 
 def test_gguf_unsupported_tokenizer_kind(tmp_path: Path, byte_bpe: BackendTokenizer) -> None:
-    with pytest.raises(ValueError, match="llama"):
-        load_tokenizer(_write_gguf(tmp_path / "spm.gguf", byte_bpe, kind="llama"))
+    with pytest.raises(ValueError, match="bert"):
+        load_tokenizer(_write_gguf(tmp_path / "wp.gguf", byte_bpe, kind="bert"))
+
+
+# Characters left out of the SentencePiece vocabulary, so they take the <0xNN> byte fallback.
+_NOT_IN_SPM_VOCAB = set("中文测试日本語のテキスト한국어😀🎉👍🏽🇫🇷🇯🇵👩‍💻")
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Llama-2 style GGUF vocabulary: <unk>, <s>, </s>, 256 byte pieces, then scored pieces."""
+    import gguf
+
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    alphabet = sorted({c for t in CORPUS for c in t.replace(" ", "\u2581")} - _NOT_IN_SPM_VOCAB)
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
+    backend.train_from_iterator(
+        ["".join(c for c in t if c not in _NOT_IN_SPM_VOCAB) for t in CORPUS], trainer
+    )
+    data = json.loads(backend.to_str())
+    rank = {
+        "".join(m if isinstance(m, list) else m.split(" ")): r
+        for r, m in enumerate(data["model"]["merges"])
+    }
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [int(gguf.TokenType.BYTE)] * 256
+    scores = [0.0] * len(tokens)
+    for tok, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1]):
+        tokens.append(tok)
+        types.append(1)
+        scores.append(-float(rank[tok]) if tok in rank else -1e4)  # earlier merge, higher score
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for add, value in [
+        (writer.add_block_count, 1),
+        (writer.add_context_length, 128),
+        (writer.add_embedding_length, 8),
+        (writer.add_feed_forward_length, 8),
+        (writer.add_head_count, 1),
+    ]:
+        add(value)  # transformers wants a minimal model config next to the tokenizer
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_sentencepiece_round_trip(spm_gguf: str) -> None:
+    tok = load_tokenizer(spm_gguf)
+    assert tok is not None and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids[0] == 1 and ids.count(1) == 1  # llama.cpp's default: BOS for SentencePiece
+        assert tok.decode(ids) == text
+    ids = tok.encode("中")  # not in the vocabulary: three UTF-8 byte pieces
+    assert [tok.id_to_token(i) for i in ids[1:]] == ["\u2581", "<0xE4>", "<0xB8>", "<0xAD>"]
+
+
+@pytest.mark.parametrize("text", TEXTS[2:5])
+def test_gguf_sentencepiece_detokenizer(spm_gguf: str, text: str) -> None:
+    tok = load_tokenizer(spm_gguf)
+    assert tok is not None
+    ids = tok.encode(text)[1:]  # byte-fallback pieces split characters across tokens
+    assert _stream(tok, ids, None, random.Random(4)) == tok.decode(ids) == text
+
+
+@pytest.mark.slow
+def test_gguf_sentencepiece_matches_transformers(spm_gguf: str) -> None:
+    try:
+        from transformers import AutoTokenizer
+
+        ref = AutoTokenizer.from_pretrained(
+            os.path.dirname(spm_gguf), gguf_file=os.path.basename(spm_gguf)
+        )
+    except Exception as exc:  # no reference available here, not a bug of ours
+        pytest.skip(f"transformers cannot build a GGUF tokenizer here: {exc}")
+    tok = load_tokenizer(spm_gguf)
+    assert tok is not None
+    # Texts without a leading space: there transformers' converter drops SentencePiece's dummy
+    # prefix, which we keep (as llama.cpp and the original Llama tokenizer.json do).
+    for text in [TEXTS[0], TEXTS[1], TEXTS[2], TEXTS[3], TEXTS[4], "a\n\nb"]:
+        assert tok.encode(text) == ref.encode(text)
