@@ -99,6 +99,7 @@ class Worker:
         self.last_step_id = -1
         self.profiler = None
         self.fault = parse_fault(os.environ.get("TANDEM_FAULT_INJECT"))
+        self.core_gone = False  # then nothing queued can be delivered: don't linger on exit
 
     def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
         self.ctx = zmq.Context.instance()
@@ -136,6 +137,7 @@ class Worker:
             if frame is None:
                 if os.getppid() != parent:
                     logger.error("rank %d: parent process died; exiting", self.rank)
+                    self.core_gone = True
                     return 1
                 if now - last_heard > CORE_SILENCE_S:
                     logger.error(
@@ -143,6 +145,7 @@ class Worker:
                         self.rank,
                         now - last_heard,
                     )
+                    self.core_gone = True
                     return 1
                 continue
             last_heard = now
@@ -239,7 +242,11 @@ def main() -> int:
     finally:
         if worker is not None and hasattr(worker, "push"):
             worker.sub.close(0)
-            worker.push.close(1000)
+            worker.push.close(0 if worker.core_gone else 1000)
+    if worker is not None and worker.core_gone:
+        # Orphaned: skip interpreter/torch/gloo teardown (over a second), the OS frees it all.
+        sys.stderr.flush()
+        os._exit(code)
     try:
         import torch.distributed as dist
 
