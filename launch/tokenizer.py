@@ -9,6 +9,7 @@ not be able to reach Python objects or run code.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -147,6 +148,14 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     path = model if os.path.isdir(model) else resolve_model(model)
     if os.path.isdir(path):
         return _load_hf_dir(path)
+    stat = os.stat(path)
+    return _cached_gguf_tokenizer(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> Tokenizer:
+    # Parsing GGUF metadata takes seconds (~100k strings); a process that builds several LLMs
+    # on one model (tests, notebooks) pays it once. mtime/size in the key catch a replaced file.
     return load_gguf_tokenizer(path)
 
 

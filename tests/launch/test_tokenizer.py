@@ -81,6 +81,10 @@ def test_smollm2_metadata(smol: Tokenizer) -> None:
     assert smol.has_chat_template
 
 
+def test_gguf_tokenizer_is_loaded_once(smol: Tokenizer) -> None:
+    assert load_tokenizer("smollm2") is smol
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_smollm2_round_trip(smol: Tokenizer, text: str) -> None:
     ids = smol.encode(text)
