@@ -1,0 +1,181 @@
+"""Bad input gets a clear, specific error for that request; everyone else is served normally.
+
+One engine (dummy:micro, TP=1) for the whole module. Every bad request rides in a batch with a good
+one, which must complete untouched. Raw garbage frames on the engine's request socket must be
+dropped without harming the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from launch.llm import LLM
+from protocol.codec import HEADER, Encoder, pack
+from protocol.messages import AddRequest, EngineOutputs, SamplingParams
+from protocol.transport import Endpoints
+from tests.helpers.procs import wait_no_descendants
+
+MAX_LEN = 128
+GOOD = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    engine = LLM(
+        "dummy:micro",
+        1,
+        load_tokenizer=False,
+        max_model_len=MAX_LEN,
+        max_num_seqs=2,
+        max_frame_bytes=1 << 20,
+        startup_timeout_s=120,
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        engine.group.terminate(0.5)
+        assert wait_no_descendants(10) == []
+
+
+def _with_good(llm: LLM, prompt: list[int], sp: SamplingParams) -> str:
+    """Submit [bad, good]; the good one must finish normally. Returns the bad one's error."""
+    bad, good = llm.generate([prompt, [1, 2, 3]], [sp, GOOD], use_tqdm=False, timeout_s=60)
+    assert good.finish_reason == "length" and len(good.token_ids) == 4, good
+    assert bad.finish_reason == "error", bad
+    assert bad.error and not bad.token_ids
+    return bad.error
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "needle"),
+    [
+        (list(range(1, MAX_LEN + 10)), GOOD, "max_model_len"),
+        ([], GOOD, "empty"),
+        ([1, 512], GOOD, "outside the vocabulary"),
+        ([1, -3], GOOD, "outside the vocabulary"),
+        ([1], SamplingParams(temperature=math.nan), "temperature"),
+        ([1], SamplingParams(temperature=math.inf), "temperature"),
+        ([1], SamplingParams(temperature=-0.5), "temperature"),
+        ([1], SamplingParams(top_p=0.0), "top_p"),
+        ([1], SamplingParams(top_p=1.5), "top_p"),
+        ([1], SamplingParams(top_p=math.nan), "top_p"),
+        ([1], SamplingParams(top_k=-7), "top_k"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1], SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+    ],
+)
+def test_bad_request_is_rejected_alone(
+    llm: LLM, prompt: list[int], params: SamplingParams, needle: str
+) -> None:
+    err = _with_good(llm, prompt, params)
+    assert needle in err, err
+
+
+def test_token_id_beyond_int32_fails_locally(llm: LLM) -> None:
+    err = _with_good(llm, [1, 2**40], GOOD)
+    assert "int32" in err
+
+
+def _sink() -> queue.Queue:
+    return queue.Queue()
+
+
+def _finish(sink: queue.Queue, timeout_s: float = 60) -> tuple[str, list[int], str | None]:
+    tokens: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, out, _ = sink.get(timeout=max(0.1, deadline - time.monotonic()))
+        tokens += out.new_token_ids
+        if out.finish_reason is not None:
+            return out.finish_reason, tokens, out.error
+
+
+def test_duplicate_request_id_is_refused_and_first_completes(llm: LLM) -> None:
+    client = llm.client
+    assert client is not None
+    s1 = _sink()
+    client.add_request("dup", [1, 2, 3], GOOD, s1)
+    with pytest.raises(ValueError, match="already in flight"):
+        client.add_request("dup", [4, 5], GOOD, _sink())
+    reason, tokens, _ = _finish(s1)
+    assert reason == "length" and len(tokens) == 4
+
+
+def test_abort_unknown_waiting_running_finished_then_resubmit(llm: LLM) -> None:
+    client = llm.client
+    assert client is not None
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    llm.abort(["never-submitted"])  # unknown: a no-op
+    sinks = {rid: _sink() for rid in ("run-a", "run-b", "wait-c")}
+    for rid, s in sinks.items():  # max_num_seqs=2: wait-c has to wait
+        client.add_request(rid, [1, 2, 3], long, s)
+    llm.abort(["wait-c"])
+    reason, tokens, _ = _finish(sinks["wait-c"])
+    assert reason == "abort"
+    # Wait until run-a produced something, then abort it while it runs.
+    _, first, _ = sinks["run-a"].get(timeout=60)
+    llm.abort(["run-a"])
+    reason, _, _ = _finish(sinks["run-a"])
+    assert reason == "abort"
+    reason, tokens_b, _ = _finish(sinks["run-b"])
+    assert reason == "length" and len(tokens_b) == 100
+    llm.abort(["run-b"])  # finished: a no-op
+    again = _sink()
+    client.add_request("run-a", [1, 2, 3], long, again)  # resubmit an aborted id
+    reason, tokens_a, _ = _finish(again)
+    assert reason == "length" and tokens_a == tokens_b  # same prompt, greedy
+    h = llm.health()
+    assert h.num_running == 0 and h.num_waiting == 0
+
+
+def _engine_endpoints(llm: LLM) -> Endpoints:
+    core = next(c.proc.pid for c in llm.group.children if c.name == "engine core")
+    with open(f"/proc/{core}/environ", "rb") as f:
+        env = dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    ep = Endpoints.from_env(env)
+    assert ep is not None and ep.requests.startswith("ipc://")
+    return ep
+
+
+def test_raw_garbage_frames_do_not_hurt_the_engine(llm: LLM) -> None:
+    ep = _engine_endpoints(llm)
+    path = ep.requests.removeprefix("ipc://")
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    enc = Encoder()
+    good = enc.encode(
+        AddRequest(request_id="raw", prompt_token_ids=pack([1, 2]), sampling_params=GOOD)
+    )
+    frames = [
+        b"",
+        b"\x00",
+        os.urandom(64),  # malformed
+        good[: len(good) // 2],  # truncated
+        b"\xa7\x63" + good[2:],  # wrong protocol version
+        HEADER + b"\xc1" * 5,  # invalid msgpack
+        HEADER + msgspec.msgpack.encode([999, "x"]),  # unknown tag
+        enc.encode(EngineOutputs([], 0.0)),  # wrong type for this socket
+        HEADER + msgspec.msgpack.encode([1, "x", b"abc", [], 0, None, 0.0]),  # bad packed ids
+        HEADER + msgspec.msgpack.encode([1, 7, b"", [], 0, None, 0.0]),  # wrong field types
+        HEADER + b"\x00" * (2 << 20),  # oversized (limit 1 MiB here)
+    ]
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    try:
+        push.connect(ep.requests)
+        for f in frames:
+            push.send(f)
+    finally:
+        push.close()
+    out = llm.generate([[1, 2, 3]], GOOD, use_tqdm=False, timeout_s=60)
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
+    assert all(llm.health().alive)
