@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from protocol.codec import ProtocolError, unpack_np
 from protocol.messages import SamplingParams, SchedulerOutput
 from workers.sampler import SamplingMetadata, make_generator
 
@@ -22,9 +23,11 @@ class StateMismatchError(RuntimeError):
 
 
 def unpack_i32(data: bytes, what: str = "field") -> np.ndarray:
-    if len(data) % 4:
-        raise StateMismatchError(f"packed int32 {what} has {len(data)} bytes")
-    return np.frombuffer(data, dtype="<i4")
+    """A packed wire array (uint16 or int32, see protocol.codec.pack) as int32."""
+    try:
+        return unpack_np(data).astype(np.int32, copy=False)
+    except ProtocolError as e:
+        raise StateMismatchError(f"{what}: {e}") from None
 
 
 @dataclass(eq=False)

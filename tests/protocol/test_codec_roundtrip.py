@@ -22,6 +22,7 @@ from protocol.codec import (
     pack_f32,
     unpack,
     unpack_f32,
+    unpack_np,
     worker_decoder,
 )
 
@@ -97,8 +98,10 @@ def test_steady_decode_step_is_tiny() -> None:
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300))
 def test_pack_round_trip(values: list[int]) -> None:
     data = pack(values)
-    assert len(data) == 4 * len(values)
+    narrow = all(0 <= v <= 0xFFFF for v in values)
+    assert len(data) == (0 if not values else 1 + (2 if narrow else 4) * len(values))
     assert unpack(data) == values
+    assert unpack_np(data).tolist() == values
 
 
 @given(st.lists(st.floats(width=32, allow_nan=False), max_size=100))
@@ -108,14 +111,18 @@ def test_pack_f32_round_trip(values: list[float]) -> None:
 
 def test_pack_is_little_endian_and_numpy_compatible() -> None:
     np = pytest.importorskip("numpy")
-    assert pack([1, -1]) == b"\x01\x00\x00\x00\xff\xff\xff\xff"
+    assert pack([1, -1]) == b"\x04\x01\x00\x00\x00\xff\xff\xff\xff"
+    assert pack([1, 65535]) == b"\x02\x01\x00\xff\xff"  # narrow values take two bytes
     arr = np.array([3, 4, 5], dtype=np.int64)
     assert pack(arr) == pack([3, 4, 5])
-    assert np.frombuffer(pack([7, 8]), dtype="<i4").tolist() == [7, 8]
+    assert pack(np.array([70000, 1])) == pack([70000, 1])
+    assert np.frombuffer(pack([7, 8]), dtype="<u2", offset=1).tolist() == [7, 8]
 
 
 def test_unpack_rejects_ragged_bytes() -> None:
     with pytest.raises(ProtocolError):
-        unpack(b"\x00\x01\x02")
+        unpack(b"\x04\x01\x02")  # int32 width, 2 bytes
+    with pytest.raises(ProtocolError):
+        unpack(b"\x03\x01\x02\x03")  # unknown width
     with pytest.raises(ProtocolError):
         unpack_f32(b"\x00")
