@@ -286,6 +286,8 @@ class LLM:
                 delta = detoks[tr.index].add(out.new_token_ids) if detoks else None
                 if out.finish_reason is not None:
                     pending -= 1
+                    if detoks:  # release text held back waiting for a character to complete
+                        delta = (delta or "") + detoks[tr.index].finish()
                 yield StreamEvent(
                     tr.index,
                     tr.request_id,
