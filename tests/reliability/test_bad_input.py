@@ -113,11 +113,12 @@ def test_duplicate_request_id_is_refused_and_first_completes(llm: LLM) -> None:
 def test_abort_unknown_waiting_running_finished_then_resubmit(llm: LLM) -> None:
     client = llm.client
     assert client is not None
-    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     llm.abort(["never-submitted"])  # unknown: a no-op
     sinks = {rid: _sink() for rid in ("run-a", "run-b", "wait-c")}
     for rid, s in sinks.items():  # max_num_seqs=2: wait-c has to wait
-        client.add_request(rid, [1, 2, 3], long, s)
+        client.add_request(rid, [1, 2, 3], short if rid == "run-b" else long, s)
     llm.abort(["wait-c"])
     reason, tokens, _ = _finish(sinks["wait-c"])
     assert reason == "abort"
@@ -127,10 +128,10 @@ def test_abort_unknown_waiting_running_finished_then_resubmit(llm: LLM) -> None:
     reason, _, _ = _finish(sinks["run-a"])
     assert reason == "abort"
     reason, tokens_b, _ = _finish(sinks["run-b"])
-    assert reason == "length" and len(tokens_b) == 30
+    assert reason == "length" and len(tokens_b) == 20
     llm.abort(["run-b"])  # finished: a no-op
     again = _sink()
-    client.add_request("run-a", [1, 2, 3], long, again)  # resubmit an aborted id
+    client.add_request("run-a", [1, 2, 3], short, again)  # resubmit an aborted id
     reason, tokens_a, _ = _finish(again)
     assert reason == "length" and tokens_a == tokens_b  # same prompt, greedy
     h = llm.health()
