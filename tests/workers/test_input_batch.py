@@ -349,3 +349,25 @@ def test_preempt_keeps_tokens_and_resume_replaces_blocks() -> None:
     row = b.states[1].row
     assert b.block_table[row, :3].tolist() == [7, 8, 0] and b.num_computed_tokens[row] == 0
     assert b.token_ids_of(1) == [5, 6, 7, 100]
+
+
+def test_seeded_generators_follow_their_rows_through_condense() -> None:
+    b = InputBatch(4, 32, BS)
+    news = [_new(h, [h + 1], 1, [h + 1]) for h in range(4)]
+    for h in (0, 2, 3):
+        news[h].sampling_params = SamplingParams(seed=100 + h, temperature=1.0)
+    b.apply(SchedulerOutput(step_id=0, new_reqs=news, num_running=4, total_num_scheduled_tokens=4))
+    inp = b.prepare_inputs()
+    b.update_after_step(inp, np.array([9, 9, 9, 9], dtype=np.int32))
+    b.apply(
+        SchedulerOutput(
+            step_id=1, finished_handles=pack([0]), num_running=3, total_num_scheduled_tokens=3
+        )
+    )
+    inp = b.prepare_inputs()
+    md = b.sampling_metadata(inp.sample_rows)
+    assert b.num_seeded == 2 and len(md.generators) == 2
+    for i, row in enumerate(inp.sample_rows.tolist()):
+        st = b.states[int(b.handles[row])]
+        assert md.generators.get(i) is st.generator
+        assert (st.generator is None) == (st.handle == 1)
