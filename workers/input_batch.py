@@ -125,9 +125,10 @@ class InputBatch:
             raise StateMismatchError(f"more than max_num_reqs={self.max_num_reqs} running")
         n_prompt = len(st.prompt_token_ids)
         n_tok = n_prompt + len(st.output_token_ids)
-        if n_tok > self.max_model_len:
+        if n_tok > self.max_model_len or not 0 <= num_computed <= n_tok:
             raise StateMismatchError(
-                f"request {st.handle} has {n_tok} tokens > max_model_len={self.max_model_len}"
+                f"request {st.handle}: {n_tok} tokens (max_model_len={self.max_model_len}), "
+                f"num_computed_tokens={num_computed}"
             )
         self.token_ids[row, :n_prompt] = st.prompt_token_ids
         self.token_ids[row, n_prompt:n_tok] = st.output_token_ids
