@@ -105,18 +105,25 @@ class KVCacheManager:
             if num_new_blocks > 0:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 blocks.extend(new_blocks)
+        limit = len(blocks) * bs
         if self.enable_caching:
             num_full = (end if end < request.num_tokens else request.num_tokens) // bs
             num_cached = self.num_cached_block.get(rid, 0)
             if num_full > num_cached:
                 pool.cache_full_blocks(request, blocks, num_cached, num_full)
-                self.num_cached_block[rid] = num_full
+                self.num_cached_block[rid] = num_cached = num_full
+            # the next call with an end past this fills a block that must be cached
+            next_full = (num_cached + 1) * bs - 1
+            if next_full < limit:
+                limit = next_full
+        request.kv_fast_limit = limit
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail first, so its shared prefix is evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        request.kv_fast_limit = 0
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

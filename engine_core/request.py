@@ -77,6 +77,7 @@ class Request:
         "_block_hasher",
         "_next_hash_at",
         "_hash_block_size",
+        "kv_fast_limit",
     )
 
     def __init__(
@@ -118,6 +119,10 @@ class Request:
         self._block_hasher: Callable[[Request], None] | None = None
         self._next_hash_at = _NEVER
         self._hash_block_size = 0
+        # set by KVCacheManager: while num_computed_tokens + new tokens stays at or below this,
+        # allocate_slots would change nothing (no new block, no block to cache), so the
+        # scheduler may skip the call: the hot decode path
+        self.kv_fast_limit = 0
         self._set_stop_ids()
 
     def _set_stop_ids(self) -> None:

@@ -30,6 +30,7 @@ from protocol.messages import (
 RUNNING = RequestStatus.RUNNING
 STOPPED = RequestStatus.FINISHED_STOPPED
 LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_NO_BLOCKS: list = []  # never mutated: "allocated nothing new"
 
 
 class Scheduler:
@@ -193,7 +194,8 @@ class Scheduler:
                 overrides[req.handle] = 0
                 i += 1
                 continue
-            new_blocks = allocate(req, n)
+            # no lookahead yet, so the manager's fast limit applies (see Request.kv_fast_limit)
+            new_blocks = _NO_BLOCKS if computed + n <= req.kv_fast_limit else allocate(req, n)
             while new_blocks is None:
                 victim = self._pick_victim()
                 vi = running.index(victim)
@@ -330,6 +332,11 @@ class Scheduler:
         max_model_len = self.max_model_len
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
+        if counts is None and spec is None:
+            finished = self._update_one_token_each(handles, tokens, outputs)
+            if finished:
+                self.running = [r for r in self.running if r.status == RUNNING]
+            return outputs
         pos = 0
         for k, handle in enumerate(handles):
             if counts is None:
@@ -382,6 +389,51 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
+
+    def _update_one_token_each(
+        self, handles: list[int], tokens: list[int], outputs: list[RequestOutput]
+    ) -> bool:
+        """The common case (one sampled token per request, no drafts), kept lean because it
+        runs for every decoding request on every step. Returns whether any request finished."""
+        by_handle = self._by_handle
+        max_model_len = self.max_model_len
+        any_finished = False
+        for handle, tok in zip(handles, tokens, strict=True):
+            req = by_handle.get(handle)
+            # finished / preempted since the step was planned, or a partial prefill chunk
+            if req is None or req.status != RUNNING or req.num_computed_tokens < req.num_tokens:
+                continue
+            req.append_output_token(tok)
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+            n_out = len(req.output_token_ids)
+            if tok in req.stop_ids and n_out >= req.min_tokens:
+                status = STOPPED
+            elif n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+                status = LENGTH_CAPPED
+            else:
+                if n_out == 1 and req.num_cached_tokens > 0:
+                    outputs.append(
+                        RequestOutput(
+                            request_id=req.request_id,
+                            new_token_ids=[tok],
+                            num_cached_tokens=req.num_cached_tokens,
+                        )
+                    )
+                else:
+                    outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[tok]))
+                continue
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[tok],
+                    finish_reason=FINISH_REASONS[status],
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+            self._free_request(req, status)
+            any_finished = True
+        return any_finished
 
     # ------------------------------------------------------------------ introspection
 
