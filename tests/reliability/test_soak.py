@@ -20,11 +20,25 @@ def test_small_soak_loses_nothing() -> None:
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
     try:
-        res = soak.main(["--n", "60", "--wave", "30", "--num-gpu-blocks", "24", "--json"])
+        res = soak.main(
+            [
+                "--n",
+                "40",
+                "--wave",
+                "20",
+                "--max-prompt",
+                "48",
+                "--max-out",
+                "8",
+                "--num-gpu-blocks",
+                "16",
+                "--json",
+            ]
+        )
     finally:
         assert wait_no_descendants(10) == []
     print(f"\nsoak: {res}")
     assert res["lost_requests"] == 0
     assert res["leaked_blocks"] == 0
-    assert sum(res["finish_reasons"].values()) == 60
+    assert sum(res["finish_reasons"].values()) == 40
     assert set(res["rss_growth_pct_per_process"]) == {"frontend", "engine core", "worker rank 0"}
