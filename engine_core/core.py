@@ -348,12 +348,16 @@ class EngineCore:
         if os.getppid() != self.parent_pid:
             raise EngineFatal("the frontend process died")
         now = time.monotonic()
-        for rank, t in enumerate(self.last_seen):
-            if now - t > self.config.worker_timeout_s:
-                raise EngineFatal(
-                    f"rank {rank} has not responded for {now - t:.1f} s "
-                    f"(worker_timeout_s={self.config.worker_timeout_s})"
-                )
+        silent = [r for r, t in enumerate(self.last_seen) if now - t > self.config.worker_timeout_s]
+        if silent:
+            # Name every silent rank: under TP one hung rank stalls the others in a collective,
+            # so "rank 0" alone would point at the wrong process.
+            worst = max(now - self.last_seen[r] for r in silent)
+            raise EngineFatal(
+                f"rank {', '.join(map(str, silent))} has not responded for {worst:.1f} s "
+                f"(worker_timeout_s={self.config.worker_timeout_s}); a rank hung in a "
+                "collective stalls its peers too"
+            )
 
     @staticmethod
     def _describe_error(msg: WorkerError) -> str:
