@@ -71,41 +71,78 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.reshape(b, seq_q, heads, hd).to(q.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd]."""
-    out = torch.empty_like(q)
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    blocks: torch.Tensor  # [1, n_blocks] int64
+    seq_len: int
+    allowed: torch.Tensor  # [1, L, seq_len] causal mask
+
+
+@dataclass
+class AttentionPlan:
+    """Per-step index work shared by every layer: built once per forward, not once per layer."""
+
+    num_tokens: int  # real (non-padding) new tokens
+    decode_tok: torch.Tensor | None  # [D] int64 token index of each decode; None: tokens 0..D-1
+    decode_blocks: torch.Tensor | None  # [D, n_blocks] int64
+    decode_allowed: torch.Tensor | None  # [D, 1, n_blocks * block_size] bool
+    prefills: list[_Prefill]
+
+
+def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.device) -> AttentionPlan:
+    """Split the batch into decodes (one new token: batched) and prefill chunks (one by one),
+    using only the host copies, so no device synchronisation."""
     qsl = meta.query_start_loc_np
     seq_lens = meta.seq_lens_np
     num_reqs = len(seq_lens)
-    if q.shape[0] > qsl[num_reqs]:  # padding tokens (fixed-size batches) belong to nobody
-        out[int(qsl[num_reqs]) :] = 0
     query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-    block_size = k_cache.shape[1]
-    device = q.device
-
     decode_reqs = np.flatnonzero(query_lens == 1)
+    tok = blocks = allowed = None
     if len(decode_reqs):
-        d_seq = seq_lens[decode_reqs]
-        n_blocks = -(-int(d_seq.max()) // block_size)
-        tok = torch.from_numpy(qsl[decode_reqs].astype(np.int64)).to(device)
+        n_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
         rows = torch.from_numpy(decode_reqs.astype(np.int64)).to(device)
-        blocks = meta.block_table[rows, :n_blocks].long()  # [D, n_blocks]
-        k = _gather_context(k_cache, blocks)  # [D, S, KVH, hd]
-        v = _gather_context(v_cache, blocks)
+        blocks = meta.block_table[rows, :n_blocks].long()
         lens = meta.seq_lens[rows].to(torch.int64)
-        allowed = torch.arange(k.shape[1], device=device).unsqueeze(0) < lens.unsqueeze(1)
-        out[tok] = _attend(q[tok].unsqueeze(1), k, v, allowed.unsqueeze(1), scale).squeeze(1)
-
+        allowed = torch.arange(n_blocks * block_size, device=device).unsqueeze(0) < lens[:, None]
+        allowed = allowed.unsqueeze(1)
+        tok_np = qsl[decode_reqs]
+        # Pure decode batches (the steady state) need no gather/scatter of q and out.
+        if not (len(decode_reqs) == num_reqs and tok_np[-1] == num_reqs - 1):
+            tok = torch.from_numpy(tok_np.astype(np.int64)).to(device)
+    prefills = []
     for i in np.flatnonzero(query_lens > 1):
-        start, end = int(qsl[i]), int(qsl[i + 1])
-        seq_len = int(seq_lens[i])
+        start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         n_blocks = -(-seq_len // block_size)
-        blocks = meta.block_table[int(i), :n_blocks].long()
-        k = _gather_context(k_cache, blocks.unsqueeze(0))[:, :seq_len]
-        v = _gather_context(v_cache, blocks.unsqueeze(0))[:, :seq_len]
         # Query j sits at absolute position seq_len - L + j and sees keys up to that position.
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
-        allowed = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
-        out[start:end] = _attend(q[start:end].unsqueeze(0), k, v, allowed.unsqueeze(0), scale)[0]
+        causal = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+        prefills.append(_Prefill(start, end, meta.block_table[int(i), :n_blocks].long()[None],
+                                 seq_len, causal.unsqueeze(0)))
+    return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float,
+                    plan: AttentionPlan | None = None) -> torch.Tensor:
+    """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd]."""
+    if plan is None:
+        plan = plan_attention(meta, k_cache.shape[1], q.device)
+    out = torch.empty_like(q)
+    if q.shape[0] > plan.num_tokens:  # padding tokens (fixed-size batches) belong to nobody
+        out[plan.num_tokens :] = 0
+    if plan.decode_blocks is not None:
+        k = _gather_context(k_cache, plan.decode_blocks)  # [D, S, KVH, hd]
+        v = _gather_context(v_cache, plan.decode_blocks)
+        if plan.decode_tok is None:
+            d = plan.decode_blocks.shape[0]
+            out[:d] = _attend(q[:d].unsqueeze(1), k, v, plan.decode_allowed, scale).squeeze(1)
+        else:
+            qd = q[plan.decode_tok].unsqueeze(1)
+            out[plan.decode_tok] = _attend(qd, k, v, plan.decode_allowed, scale).squeeze(1)
+    for p in plan.prefills:
+        k = _gather_context(k_cache, p.blocks)[:, : p.seq_len]
+        v = _gather_context(v_cache, p.blocks)[:, : p.seq_len]
+        out[p.start : p.end] = _attend(q[p.start : p.end].unsqueeze(0), k, v, p.allowed, scale)[0]
     return out

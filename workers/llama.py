@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import AttentionMetadata, paged_attention, write_kv
+from workers.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    paged_attention,
+    plan_attention,
+    write_kv,
+)
 from workers.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -82,8 +88,8 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                plan: AttentionPlan) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         hd, lay = self.head_dim, self.lay
@@ -92,7 +98,7 @@ class LlamaAttention(nn.Module):
         q = self.rope(positions, q.view(-1, lay.q_heads, hd))
         k = self.rope(positions, k.view(-1, lay.kv_heads, hd))
         write_kv(k, v.view(-1, lay.kv_heads, hd), self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, plan)
         return self.o_proj(out.view(-1, lay.q_heads * hd))
 
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -142,9 +148,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, lay, tp_rank, dtype, device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                plan: AttentionPlan) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta, plan)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -176,9 +182,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden]; writes new K/V."""
+        attn0 = self.layers[0].self_attn
+        if attn0.k_cache is None:
+            raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
+        plan = plan_attention(meta, attn0.k_cache.shape[1], self.device)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
-            h = layer(h, positions, meta)
+            h = layer(h, positions, meta, plan)
         return self.norm(h)
 
     @torch.inference_mode()
