@@ -231,6 +231,9 @@ class EngineCore:
         elif isinstance(msg, AbortRequests):
             ids = [r for r in msg.request_ids if r in self.inflight]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            # Send the abort outputs (and free the ids) now: an AddRequest reusing an id in the
+            # same burst must not be refused as a duplicate of the request just aborted.
+            self._flush(self.scheduler.take_outputs())
         elif isinstance(msg, HealthRequest):
             self._send_frontend(self._health(msg.nonce))
         elif isinstance(msg, ProfileRequest):
