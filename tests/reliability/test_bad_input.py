@@ -19,7 +19,7 @@ import zmq
 
 from launch.llm import LLM
 from protocol.codec import HEADER, Encoder, pack
-from protocol.messages import AddRequest, EngineOutputs, SamplingParams
+from protocol.messages import AbortRequests, AddRequest, EngineOutputs, SamplingParams
 from protocol.transport import Endpoints
 from tests.helpers.procs import wait_no_descendants
 
@@ -180,3 +180,27 @@ def test_raw_garbage_frames_do_not_hurt_the_engine(llm: LLM) -> None:
     out = llm.generate([[1, 2, 3]], GOOD, use_tqdm=False, timeout_s=60)
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
     assert all(llm.health().alive)
+
+
+def test_abort_and_resubmit_in_one_burst_is_accepted(llm: LLM) -> None:
+    """Abort + AddRequest of the same id arriving together: the new one must not be refused."""
+    client = llm.client
+    assert client is not None
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    s1 = _sink()
+    client.add_request("burst", [1, 2, 3], long, s1)
+    s1.get(timeout=60)  # running
+    enc = Encoder()
+    again = AddRequest(request_id="burst", prompt_token_ids=pack([4, 5]), sampling_params=long)
+    with client.send_lock:  # both frames back to back, before the engine answers the abort
+        client.push.send(enc.encode(AbortRequests(["burst"])))
+        client.push.send(enc.encode(again))
+    assert _finish(s1)[0] == "abort"
+    deadline = time.monotonic() + 30
+    while llm.health().num_running == 0:  # the resubmitted request must be admitted
+        assert time.monotonic() < deadline, "resubmitted request was refused"
+        time.sleep(0.05)
+    llm.abort(["burst"])
+    while llm.health().num_running:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
