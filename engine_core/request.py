@@ -78,6 +78,7 @@ class Request:
         "_next_hash_at",
         "_hash_block_size",
         "kv_fast_limit",
+        "length_limit",
     )
 
     def __init__(
@@ -123,6 +124,9 @@ class Request:
         # allocate_slots would change nothing (no new block, no block to cache), so the
         # scheduler may skip the call: the hot decode path
         self.kv_fast_limit = 0
+        # num_tokens at which the request is length-capped; the scheduler lowers it to
+        # max_model_len, so one compare per sampled token covers both limits
+        self.length_limit = self.num_prompt_tokens + self.max_tokens
         self._set_stop_ids()
 
     def _set_stop_ids(self) -> None:

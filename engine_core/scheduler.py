@@ -88,6 +88,7 @@ class Scheduler:
                 )
             )
             return
+        request.length_limit = min(request.length_limit, self.max_model_len)
         self.kv_cache_manager.attach_hasher(request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -396,7 +397,6 @@ class Scheduler:
         """The common case (one sampled token per request, no drafts), kept lean because it
         runs for every decoding request on every step. Returns whether any request finished."""
         by_handle = self._by_handle
-        max_model_len = self.max_model_len
         any_finished = False
         for handle, tok in zip(handles, tokens, strict=True):
             req = by_handle.get(handle)
@@ -406,13 +406,12 @@ class Scheduler:
             req.append_output_token(tok)
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
-            n_out = len(req.output_token_ids)
-            if tok in req.stop_ids and n_out >= req.min_tokens:
+            if tok in req.stop_ids and len(req.output_token_ids) >= req.min_tokens:
                 status = STOPPED
-            elif n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+            elif req.num_tokens >= req.length_limit:
                 status = LENGTH_CAPPED
             else:
-                if n_out == 1 and req.num_cached_tokens > 0:
+                if req.num_cached_tokens > 0 and len(req.output_token_ids) == 1:
                     outputs.append(
                         RequestOutput(
                             request_id=req.request_id,

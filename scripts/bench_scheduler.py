@@ -11,6 +11,7 @@ computed, like a real worker; its ModelRunnerOutput is built outside the timed r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -84,6 +85,8 @@ class Bench:
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     b = Bench(args)
+    if args.gc_freeze:
+        gc.freeze()  # what a long-running engine does after start-up: older objects not rescanned
     if args.mixed:
         for i in range(args.warmup + args.steps):
             b.add(3, 512, args.max_tokens)
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "kv_usage": round(stats["kv_usage"], 3),
         "num_preemptions": stats["num_preemptions"],
         "prefix_hash": args.prefix_hash,
+        "gc_freeze": args.gc_freeze,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -135,6 +140,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     res = run(args)
