@@ -237,7 +237,8 @@ class EngineCore:
         elif isinstance(msg, HealthRequest):
             self._send_frontend(self._health(msg.nonce))
         elif isinstance(msg, ProfileRequest):
-            self.pub.send(self.encoder.encode(ProfileControl(msg.enable, msg.trace_dir)))
+            if msg.torch_profiler:
+                self.pub.send(self.encoder.encode(ProfileControl(msg.enable, msg.trace_dir)))
             if msg.enable:
                 self.timeline.start()
             else:

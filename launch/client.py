@@ -124,9 +124,13 @@ class EngineClient:
         return self._reply(HealthReport, timeout_s)
 
     def profile(
-        self, enable: bool, trace_dir: str = "", timeout_s: float = 30.0
+        self,
+        enable: bool,
+        trace_dir: str = "",
+        torch_profiler: bool = True,
+        timeout_s: float = 30.0,
     ) -> EngineStats | None:
-        self._send(ProfileRequest(enable, trace_dir))
+        self._send(ProfileRequest(enable, trace_dir, torch_profiler))
         if enable:
             return None
         return self._reply(EngineStats, timeout_s)

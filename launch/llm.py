@@ -65,6 +65,7 @@ class LLM:
         self.client: EngineClient | None = None
         self._ipc_dir: str | None = None
         self._closed = False
+        self._torch_profiling = False
         if tensor_parallel_size % nnodes:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} is not divisible by nnodes {nnodes}"
@@ -314,13 +315,14 @@ class LLM:
         """Liveness of every rank (seconds since each was last heard) and forward progress."""
         return self._client().health(timeout_s)
 
-    def start_profile(self, trace_dir: str = "") -> None:
+    def start_profile(self, trace_dir: str = "", torch_profiler: bool = True) -> None:
         """torch.profiler on every rank (Chrome traces in trace_dir) + the step timeline."""
-        self._client().profile(True, trace_dir)
+        self._torch_profiling = torch_profiler
+        self._client().profile(True, trace_dir, torch_profiler)
 
     def stop_profile(self) -> Any:
         """Stops profiling; returns EngineStats with the step timeline rows."""
-        return self._client().profile(False)
+        return self._client().profile(False, torch_profiler=self._torch_profiling)
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -147,6 +147,8 @@ def base_env(config: EngineConfig, endpoints: Endpoints) -> dict[str, str]:
     env.update(endpoints.to_env())
     # Workers set their own torch thread count (cores / local workers).
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Spinning OpenMP threads steal the core another rank (or the engine core) needs.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -71,10 +71,11 @@ class ShutdownEngine(msgspec.Struct, array_like=True, tag=4):
 
 
 class ProfileRequest(msgspec.Struct, array_like=True, tag=5):
-    """Turn torch.profiler (workers) and the engine step timeline on or off."""
+    """Turn the engine step timeline, and optionally torch.profiler on the workers, on or off."""
 
     enable: bool
     trace_dir: str = ""
+    torch_profiler: bool = True  # False: only the (cheap) step timeline, e.g. for --breakdown
 
 
 FrontendMessage = AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest

@@ -10,10 +10,8 @@ import json
 import math
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -120,8 +118,8 @@ def sampling_params(args: argparse.Namespace) -> Any:
 class Profiling:
     """--breakdown / --profile around the measured region.
 
-    The engine has one switch for both the step timeline and torch.profiler on the workers, so
-    --breakdown alone sends the traces to a temporary directory and drops them.
+    --breakdown turns on only the engine's step timeline (cheap); --profile also runs
+    torch.profiler on every rank and writes its Chrome traces.
     """
 
     def __init__(self, llm: Any, args: argparse.Namespace) -> None:
@@ -129,18 +127,16 @@ class Profiling:
         self.breakdown = bool(args.breakdown)
         self.profile_dir: str | None = args.profile
         self.on = self.breakdown or self.profile_dir is not None
-        self._tmp: str | None = None
         self.rows: list[list[float]] = []
 
     def start(self) -> None:
         if not self.on:
             return
-        trace_dir = self.profile_dir
-        if trace_dir is None:
-            self._tmp = tempfile.mkdtemp(prefix="tandem-bench-")
-            trace_dir = self._tmp
-        os.makedirs(trace_dir, exist_ok=True)
-        self.llm.start_profile(os.path.abspath(trace_dir))
+        if self.profile_dir is None:
+            self.llm.start_profile(torch_profiler=False)
+            return
+        os.makedirs(self.profile_dir, exist_ok=True)
+        self.llm.start_profile(os.path.abspath(self.profile_dir))
 
     def stop(self) -> dict[str, Any]:
         """Stop; save the timeline with --profile; the breakdown summary with --breakdown."""
@@ -152,9 +148,8 @@ class Profiling:
             path = os.path.join(self.profile_dir, "step_timeline.json")
             with open(path, "w", encoding="utf-8") as f:
                 json.dump({"columns": COLUMNS, "rows": self.rows, "stats": stats.stats}, f)
-        # Workers export their traces after the engine has answered; wait for the files so that
-        # --profile output is complete and the temporary directory can go.
-        self._wait_for_traces(self.profile_dir or self._tmp or ".", timeout_s=120.0)
+            # Workers export their traces after the engine has answered: wait for the files.
+            self._wait_for_traces(self.profile_dir, timeout_s=120.0)
         return breakdown_summary(self.rows) if self.breakdown else {}
 
     def _wait_for_traces(self, trace_dir: str, timeout_s: float) -> None:
@@ -171,10 +166,7 @@ class Profiling:
         print(f"warning: not every rank's trace appeared in {trace_dir}", file=sys.stderr)
 
     def close(self) -> None:
-        """Drop the temporary trace directory of --breakdown (after the engine is down)."""
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        """Nothing to release; kept so callers can close unconditionally."""
 
 
 def breakdown_summary(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
