@@ -69,6 +69,10 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def tp_world_size() -> int:
+    return _world()
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the TP ranks (in place); a no-op at world size 1."""
     if _world() > 1:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.distributed import tp_all_gather, tp_all_reduce
+from workers.distributed import tp_all_gather, tp_all_reduce, tp_world_size
 
 
 def pad_to_multiple(n: int, k: int) -> int:
@@ -75,6 +75,27 @@ class ParallelLMHead(nn.Module):
         weight = self.tied.weight if self.tied is not None else self.weight
         logits = F.linear(hidden, weight).float()
         return tp_all_gather(logits, dim=-1)[..., : self.vocab]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax over the full vocabulary without gathering the logits: [N, hidden] -> [N].
+
+        Each rank takes the max of its shard; only (max, index) pairs cross ranks, a few
+        bytes per request instead of the whole vocabulary. Ties resolve to the lowest id, as
+        torch.argmax over the gathered logits would.
+        """
+        weight = self.tied.weight if self.tied is not None else self.weight
+        logits = F.linear(hidden, weight).float()
+        pad = self.start + self.rows - self.vocab  # padding rows at the end of the last shard
+        if pad > 0:
+            logits[:, self.rows - pad :] = float("-inf")
+        best, idx = logits.max(dim=-1)
+        if tp_world_size() == 1:
+            return idx
+        # Ids < 2**24 are exact in float32, so (max, id) travel in one small gather.
+        pair = torch.stack([best, (idx + self.start).float()], dim=-1)
+        every = tp_all_gather(pair, dim=0).view(-1, *pair.shape)  # [tp, N, 2]
+        winner = every[..., 0].argmax(dim=0)  # first (lowest) rank holding the max
+        return every[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
 
 
 class ColumnParallelLinear(nn.Module):

@@ -196,6 +196,10 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32, identical on every rank."""
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> argmax token ids [N], identical on every rank, no full-logit gather."""
+        return self.lm_head.greedy(hidden)
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         per_layer = 2 * block_size * self.layout.kv_heads * self.cfg.head_dim
         return per_layer * self.cfg.num_hidden_layers * self.dtype.itemsize

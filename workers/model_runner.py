@@ -17,7 +17,7 @@ from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from workers.attention import AttentionMetadata
 from workers.distributed import DistEnv
 from workers.input_batch import BatchInputs, InputBatch
-from workers.sampler import Sampler, tokens_checksum
+from workers.sampler import GREEDY_EPS, Sampler, tokens_checksum
 
 if TYPE_CHECKING:
     from workers.llama import LlamaForCausalLM
@@ -99,13 +99,18 @@ class ModelRunner:
         lp = None
         if len(inputs.sample_rows):
             idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[idx])
-            t2 = time.perf_counter()
             md = batch.sampling_metadata(inputs.sample_rows)
-            out = self.sampler(logits, md)
-            sampled = out.token_ids.to(torch.int32).cpu().numpy()
-            if out.logprobs is not None:
-                lp = out.logprobs.float().cpu().numpy()
+            if not md.need_logprobs and bool((md.temperature <= GREEDY_EPS).all()):
+                # All greedy: argmax per vocab shard, no full-logit all-gather.
+                sampled = self.model.greedy_tokens(hidden[idx]).to(torch.int32).cpu().numpy()
+                t2 = time.perf_counter()
+            else:
+                logits = self.model.compute_logits(hidden[idx])
+                t2 = time.perf_counter()
+                out = self.sampler(logits, md)
+                sampled = out.token_ids.to(torch.int32).cpu().numpy()
+                if out.logprobs is not None:
+                    lp = out.logprobs.float().cpu().numpy()
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # honest forward time when nothing samples

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 # Below this a temperature means greedy (vLLM's convention for "0").
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 # Exponential noise of exactly 0 would turn p / q into inf or nan (0 / 0 for masked tokens).
 _MIN_NOISE = 1e-20
 
@@ -25,7 +25,7 @@ _MIN_NOISE = 1e-20
 class SamplingMetadata:
     """Per-row sampling options of the rows that sample this step, in logits-row order."""
 
-    temperature: np.ndarray  # [N] float32; <= _GREEDY_EPS = greedy
+    temperature: np.ndarray  # [N] float32; <= GREEDY_EPS = greedy
     top_k: np.ndarray  # [N] int32; <= 0 = off
     top_p: np.ndarray  # [N] float32; >= 1 = off
     min_p: np.ndarray  # [N] float32; <= 0 = off
@@ -56,7 +56,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         n = logits.shape[0]
-        greedy = md.temperature <= _GREEDY_EPS
+        greedy = md.temperature <= GREEDY_EPS
         if greedy.all():
             tokens = logits.argmax(dim=-1)
             lp = _gather_logprobs(logits, tokens) if md.need_logprobs else None
