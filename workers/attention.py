@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+# Use torch's fused scaled_dot_product_attention (same math, inputs upcast to float32 so the
+# softmax is float32 too); False selects the plain matmul/softmax reference path below.
+USE_SDPA = True
 
 
 @dataclass
@@ -123,6 +128,16 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
     return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills)
 
 
+def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Same contract as _attend; allowed None means plain causal with L == S."""
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=None if allowed is None else allowed.unsqueeze(1), is_causal=allowed is None,
+        scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -132,17 +147,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if q.shape[0] > plan.num_tokens:  # padding tokens (fixed-size batches) belong to nobody
         out[plan.num_tokens :] = 0
+    attend = _attend_sdpa if USE_SDPA else _attend
     if plan.decode_blocks is not None:
         k = _gather_context(k_cache, plan.decode_blocks)  # [D, S, KVH, hd]
         v = _gather_context(v_cache, plan.decode_blocks)
         if plan.decode_tok is None:
             d = plan.decode_blocks.shape[0]
-            out[:d] = _attend(q[:d].unsqueeze(1), k, v, plan.decode_allowed, scale).squeeze(1)
+            out[:d] = attend(q[:d].unsqueeze(1), k, v, plan.decode_allowed, scale).squeeze(1)
         else:
             qd = q[plan.decode_tok].unsqueeze(1)
-            out[plan.decode_tok] = _attend(qd, k, v, plan.decode_allowed, scale).squeeze(1)
+            out[plan.decode_tok] = attend(qd, k, v, plan.decode_allowed, scale).squeeze(1)
     for p in plan.prefills:
         k = _gather_context(k_cache, p.blocks)[:, : p.seq_len]
         v = _gather_context(v_cache, p.blocks)[:, : p.seq_len]
-        out[p.start : p.end] = _attend(q[p.start : p.end].unsqueeze(0), k, v, p.allowed, scale)[0]
+        qp = q[p.start : p.end].unsqueeze(0)
+        if USE_SDPA:
+            # Without cached context the mask is plain causal: let the kernel skip masked tiles.
+            mask = None if p.seq_len == p.end - p.start else p.allowed
+            out[p.start : p.end] = _attend_sdpa(qp, k, v, mask, scale)[0]
+        else:
+            out[p.start : p.end] = _attend(qp, k, v, p.allowed, scale)[0]
     return out

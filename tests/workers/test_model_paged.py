@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.paged import Seq, run_step
+from workers import attention
 from workers.loader import load_model
 
 TOL = 1e-4  # fp32: different matmul shapes round differently
@@ -15,6 +16,12 @@ TOL = 1e-4  # fp32: different matmul shapes round differently
 def model():
     m, _ = load_model("dummy:micro", 0, 1, torch.float32, torch.device("cpu"))
     return m
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["sdpa", "reference"])
+def attention_path(request, monkeypatch):
+    """Every test runs on both the fused SDPA path and the plain matmul/softmax path."""
+    monkeypatch.setattr(attention, "USE_SDPA", request.param)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -106,3 +113,17 @@ def test_kv_cache_shape_and_bytes(model):
     assert attn.k_cache.shape == (7, 16, cfg.num_key_value_heads, cfg.head_dim)
     per_block = model.kv_cache_bytes_per_block(16)
     assert per_block == 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("seq_q,seq_k", [(1, 37), (5, 5), (4, 19)])
+def test_sdpa_path_agrees_with_reference(seq_q, seq_k):
+    g = torch.Generator().manual_seed(seq_q * 100 + seq_k)
+    q = torch.randn(3, seq_q, 6, 8, generator=g)
+    k, v = torch.randn(2, 3, seq_k, 2, 8, generator=g)
+    q_pos = torch.arange(seq_k - seq_q, seq_k)
+    allowed = (torch.arange(seq_k)[None] <= q_pos[:, None]).expand(3, seq_q, seq_k)
+    ref = attention._attend(q, k, v, allowed, 0.3)
+    got = attention._attend_sdpa(q, k, v, allowed, 0.3)
+    assert (got - ref).abs().max().item() < 1e-5
+    if seq_q == seq_k:
+        assert (attention._attend_sdpa(q, k, v, None, 0.3) - ref).abs().max().item() < 1e-5
