@@ -8,9 +8,7 @@ on Linux, so two processes can compare it).
 
     python scripts/profile_ipc.py [--json] [--quick]
 
-With --json the last line of stdout is one JSON object (keys named in issue 3). The
-``projected_*`` figures re-encode the same frames with 16-bit packed token / block ids, to
-show what that wire change would buy.
+With --json the last line of stdout is one JSON object (keys named in issue 3).
 """
 
 from __future__ import annotations
@@ -92,33 +90,6 @@ def field_sizes(msg: msgspec.Struct) -> dict[str, int]:
     return {f: len(_MP.encode(getattr(msg, f))) for f in msg.__struct_fields__}
 
 
-def to_u16(data: bytes) -> bytes:
-    return np.frombuffer(data, dtype="<i4").astype("<u2").tobytes()
-
-
-def projected_u16(so: SchedulerOutput) -> SchedulerOutput:
-    """The same step plan with every packed int field at 16 bits (vocab and KV < 65536)."""
-    rep = msgspec.structs.replace
-    cr = so.cached_reqs
-    return rep(
-        so,
-        new_reqs=[
-            rep(n, prompt_token_ids=to_u16(n.prompt_token_ids), block_ids=to_u16(n.block_ids))
-            for n in so.new_reqs
-        ],
-        resumed_reqs=[rep(r, block_ids=to_u16(r.block_ids)) for r in so.resumed_reqs],
-        cached_reqs=rep(
-            cr,
-            handles=to_u16(cr.handles),
-            new_block_counts=to_u16(cr.new_block_counts),
-            new_block_ids=to_u16(cr.new_block_ids),
-        ),
-        finished_handles=to_u16(so.finished_handles),
-        sched_override_handles=to_u16(so.sched_override_handles),
-        sched_override_counts=to_u16(so.sched_override_counts),
-    )
-
-
 def time_us(fn, frame_or_msg, n: int) -> float:  # type: ignore[no-untyped-def]
     best = float("inf")
     for _ in range(5):  # best of 5 batches: the machine is shared, noise only adds time
@@ -161,9 +132,6 @@ def decode_scenario(rng: random.Random, steady_steps: int) -> dict:
         "frame": frame,
         "encode_us": time_us(ENC.encode, median_so, 5000),
         "decode_us": time_us(dec.decode, frame, 5000),
-        "projected_decode_step_bytes": statistics.median(
-            len(ENC.encode(projected_u16(so))) for so, _ in steps
-        ),
     }
 
 
@@ -175,7 +143,6 @@ def admit_scenario(rng: random.Random) -> dict:
     assert len(so.new_reqs) == 8, "all 8 prompts must be admitted in one step"
     return {
         "admit_bytes": len(ENC.encode(so)),
-        "projected_admit_bytes": len(ENC.encode(projected_u16(so))),
         "admit_fields": field_sizes(so),
     }
 
@@ -196,20 +163,17 @@ def lifetime_scenario(rng: random.Random) -> dict:
     """One request alone: every byte above an empty step plan is attributable to it."""
     sched = make_scheduler(num_blocks=4096, max_batched=2048)
     add(sched, "life", 2048, 500, rng)
-    bc = proj = ret = n = 0
+    bc = ret = n = 0
     while sched.has_unfinished_requests():
         so, mro = step(sched, rng)
         bc += len(ENC.encode(so)) - baseline(so)
-        proj += len(ENC.encode(projected_u16(so))) - baseline(so)
         empty = ModelRunnerOutput(step_id=mro.step_id, rank=0, req_handles=b"")
         ret += len(ENC.encode(mro)) - len(ENC.encode(empty))
         n += 1
     so = sched.schedule()  # the step that tells the workers to forget it
     bc += len(ENC.encode(so)) - baseline(so)
-    proj += len(ENC.encode(projected_u16(so))) - baseline(so)
     return {
         "lifetime_bytes": bc,
-        "projected_lifetime_bytes": proj,
         "lifetime_return_bytes": ret,
         "lifetime_steps": n,
     }
@@ -353,8 +317,6 @@ def main() -> None:
         ("admit_bytes (8 x 512-token prompts)", adm["admit_bytes"], "<= 9500"),
         ("lifetime_bytes (2048 + 500 tokens)", life["lifetime_bytes"], "<= 5000"),
         ("lifetime_return_bytes (rank 0 -> core)", life["lifetime_return_bytes"], ""),
-        ("projected_admit_bytes (16-bit packing)", adm["projected_admit_bytes"], ""),
-        ("projected_lifetime_bytes (16-bit packing)", life["projected_lifetime_bytes"], ""),
         ("encode_us (decode step)", round(dec["encode_us"], 2), ""),
         ("decode_us (decode step)", round(dec["decode_us"], 2), "sum <= 10"),
     ]
@@ -371,9 +333,6 @@ def main() -> None:
             "admit_bytes": adm["admit_bytes"],
             "lifetime_bytes": life["lifetime_bytes"],
             "lifetime_return_bytes": life["lifetime_return_bytes"],
-            "projected_decode_step_bytes": dec["projected_decode_step_bytes"],
-            "projected_admit_bytes": adm["projected_admit_bytes"],
-            "projected_lifetime_bytes": life["projected_lifetime_bytes"],
             "encode_us": round(dec["encode_us"], 3),
             "decode_us": round(dec["decode_us"], 3),
             "broadcast_p50_us": round(pct(bcast[4], 50), 1),
