@@ -17,6 +17,7 @@ from torch import nn
 from workers.attention import (
     AttentionMetadata,
     AttentionPlan,
+    GatherScratch,
     paged_attention,
     plan_attention,
     write_kv,
@@ -177,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(tied, cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size,
                                       dtype, device)
+        self.gather_scratch = GatherScratch()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -185,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         attn0 = self.layers[0].self_attn
         if attn0.k_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
-        plan = plan_attention(meta, attn0.k_cache.shape[1], self.device)
+        plan = plan_attention(meta, attn0.k_cache.shape[1], self.device, self.gather_scratch)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, positions, meta, plan)
