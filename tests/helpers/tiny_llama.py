@@ -7,7 +7,8 @@ import os
 import torch
 
 
-def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama", **overrides) -> str:
+def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama",
+                       max_shard_size: str | None = None, **overrides) -> str:
     """Save a random transformers Llama (or Qwen2, arch="qwen2") in `path` and return `path`.
 
     initializer_range 0.2 (not HF's 0.02) so greedy tokens depend on the context.
@@ -34,7 +35,8 @@ def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama", **override
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **extra)
     return path
 
 

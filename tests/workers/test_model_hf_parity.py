@@ -46,6 +46,15 @@ def test_prefill_logits_match_hf_tp1(tmp_path, variant):
         assert (got - ref).abs().max().item() < 1e-4
 
 
+def test_sharded_checkpoint(tmp_path):
+    import glob
+
+    path = make_tiny_hf_llama(str(tmp_path / "m"), max_shard_size="40KB")
+    assert len(glob.glob(f"{path}/*.safetensors")) > 1
+    got = _ours_batched(path, PROMPTS[:1])[0]
+    assert (got - hf_logits(path, PROMPTS[0])).abs().max().item() < 1e-4
+
+
 def test_greedy_matches_hf_generate_tp1(tmp_path):
     path = make_tiny_hf_llama(str(tmp_path / "m"))
     model, _ = load_model(path, 0, 1, torch.float32, torch.device("cpu"))
