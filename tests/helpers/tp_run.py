@@ -2,7 +2,8 @@
 
 Reads RANK/WORLD_SIZE/MASTER_* like a torchrun worker, loads its shard, then writes
 OUT/rank{R}.pt with {"logits": [per-prompt prefill logits, all prompts in one batch],
-"generated": [greedy tokens of each prompt through the paged cache]}.
+"generated": [greedy tokens of each prompt through the paged cache],
+"greedy": model.greedy_tokens over every prefill position, concatenated}.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from tests.helpers.paged import Seq, greedy_generate, run_step  # noqa: E402
+from tests.helpers.paged import Seq, build_step, greedy_generate, run_step  # noqa: E402
 from workers.distributed import init_distributed  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 
@@ -38,10 +39,15 @@ def main(spec_path: str) -> None:
         seqs.append(Seq(list(p), list(range(next_block, next_block + n))))
         next_block += n
     logits = run_step(model, seqs, [len(p) for p in prompts], bs)
+    # The same prefill again (rewrites identical K/V) for the shard-wise greedy argmax.
+    for s in seqs:
+        s.num_computed = 0
+    ids, pos, meta = build_step(seqs, [len(p) for p in prompts], bs)
+    greedy = model.greedy_tokens(model(ids, pos, meta)).tolist()
     generated = [greedy_generate(model, p, max_new, bs, next_block, spec.get("eos"))
                  for p in prompts] if max_new else []
     os.makedirs(spec["out"], exist_ok=True)
-    torch.save({"logits": logits, "generated": generated},
+    torch.save({"logits": logits, "generated": generated, "greedy": greedy},
                os.path.join(spec["out"], f"rank{env.rank}.pt"))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

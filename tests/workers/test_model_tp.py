@@ -51,3 +51,16 @@ def test_dummy_tp2_equals_tp1(tmp_path):
         for got, ref in zip(r["logits"], ref_logits, strict=True):
             assert (got - ref).abs().max().item() < 1e-4
         assert r["generated"] == ref_tokens
+        # Shard-wise argmax (only (max, id) pairs cross ranks) equals argmax of full logits.
+        assert r["greedy"] == torch.cat(r["logits"]).argmax(-1).tolist()
+
+
+def test_greedy_tokens_equal_logits_argmax_tp1():
+    cfg = dummy_config("dummy:micro")
+    cfg.vocab_size = 509  # not a multiple of anything: exercises the shard padding mask
+    model = LlamaForCausalLM(cfg, 0, 1, torch.float32, torch.device("cpu"))
+    from workers.loader import DummySource
+
+    model.load_weights(DummySource(cfg, 0))
+    hidden = torch.randn(7, cfg.hidden_size)
+    assert torch.equal(model.greedy_tokens(hidden), model.compute_logits(hidden).argmax(-1))
