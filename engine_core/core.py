@@ -61,7 +61,7 @@ class EngineCore:
         self.config = config
         self.world_size = world_size
         secret = secret_from_env()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         # Frontend sockets stay local (ipc or loopback); worker sockets may be tcp across nodes.
         self.req_sock = make_socket(
             self.ctx, zmq.PULL, endpoints.requests, bind=True, secret=secret

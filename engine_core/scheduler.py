@@ -192,6 +192,7 @@ class Scheduler:
             if n > max_model_len - computed:  # never compute a position >= max_model_len
                 n = max_model_len - computed
             if n <= 0:
+                assert req.handle is not None  # running requests always have one
                 overrides[req.handle] = 0
                 i += 1
                 continue
@@ -334,8 +335,7 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         if counts is None and spec is None:
-            finished = self._update_one_token_each(handles, tokens, outputs)
-            if finished:
+            if self._update_one_token_each(handles, tokens, outputs):
                 self.running = [r for r in self.running if r.status == RUNNING]
             return outputs
         pos = 0
