@@ -127,3 +127,15 @@ def test_unauthenticated_peer_cannot_reach_a_curve_socket() -> None:
     finally:
         for s in (pull, intruder, friend):
             s.close(0)
+
+
+def test_decoders_survive_mutated_frames() -> None:
+    """CI-sized run of scripts/fuzz_decoders.py (the 100,000-input run is in the README)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzz", ROOT / "scripts" / "fuzz_decoders.py")
+    assert spec is not None and spec.loader is not None
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    res = fuzz.main(["--n", "3000", "--seed", "1"])
+    assert res["failures"] == 0 and res["decoded"] > 0 and res["rejected_with_protocol_error"] > 0
