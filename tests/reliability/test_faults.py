@@ -110,8 +110,11 @@ def test_killed_worker_fails_every_request(make_llm) -> None:
 
 def test_raising_worker_reports_its_traceback(make_llm) -> None:
     llm = make_llm(fault="raise@step=3,rank=1")
-    finished, _ = _stream_until_error(llm)
+    t0 = time.monotonic()
+    finished, t_err = _stream_until_error(llm)
     _assert_all_errors(finished, "rank 1", "injected fault", "Traceback")
+    assert t_err is not None
+    print(f"\nworker raise at step 3 -> requests failed {t_err - t0:.3f} s after submission")
     _wait_gone(llm.group.pids, 10)
 
 
