@@ -234,24 +234,16 @@ class LLM:
         timeout_s: float | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        plist = _as_list(prompts)
-        sink: Sink = queue.Queue()
-        results = self._submit(plist, sampling_params, sink, priority, cache_salt)
-        bar = _progress(len(results)) if use_tqdm and len(results) > 1 else None
-        pending = len(results)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        results: list[RequestOutput] = []
+        bar = None
         try:
-            while pending:
-                tr, out, ts = _get(sink, deadline)
-                res = results[tr.index]
-                self._apply(res, out, ts)
-                if out.finish_reason is not None:
-                    pending -= 1
-                    if bar is not None:
-                        bar.update(1)
-        except BaseException:
-            self._client().abort([r.request_id for r in results if not r.finished])
-            raise
+            for results, _, out in self._events(
+                prompts, sampling_params, priority, cache_salt, timeout_s
+            ):
+                if bar is None and use_tqdm and len(results) > 1:
+                    bar = _progress(len(results))
+                if out.finish_reason is not None and bar is not None:
+                    bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
@@ -273,30 +265,49 @@ class LLM:
 
         Closing the iterator early aborts the requests still running.
         """
-        plist = _as_list(prompts)
+        detoks: list[Any] | None = None
+        for results, tr, out in self._events(
+            prompts, sampling_params, priority, cache_salt, timeout_s
+        ):
+            if detoks is None:
+                detoks = self._detokenizers(results)
+            delta = detoks[tr.index].add(out.new_token_ids) if detoks else None
+            if out.finish_reason is not None and detoks:
+                # release text held back waiting for a character to complete
+                delta = (delta or "") + detoks[tr.index].finish()
+            yield StreamEvent(
+                tr.index,
+                tr.request_id,
+                list(out.new_token_ids),
+                delta,
+                out.finish_reason,
+                out.error,
+            )
+
+    def _events(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        cache_salt: str | None,
+        timeout_s: float | None,
+    ) -> Iterator[tuple[list[RequestOutput], Tracked, WireOutput]]:
+        """The one receive loop behind generate() and generate_stream().
+
+        Submits every prompt, folds each engine output into its RequestOutput and yields it;
+        on an error or an early close, aborts whatever is still running.
+        """
         sink: Sink = queue.Queue()
-        results = self._submit(plist, sampling_params, sink, priority, cache_salt)
-        detoks = self._detokenizers(results)
+        results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt)
         pending = len(results)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while pending:
                 tr, out, ts = _get(sink, deadline)
-                res = results[tr.index]
-                self._apply(res, out, ts)
-                delta = detoks[tr.index].add(out.new_token_ids) if detoks else None
+                self._apply(results[tr.index], out, ts)
                 if out.finish_reason is not None:
                     pending -= 1
-                    if detoks:  # release text held back waiting for a character to complete
-                        delta = (delta or "") + detoks[tr.index].finish()
-                yield StreamEvent(
-                    tr.index,
-                    tr.request_id,
-                    list(out.new_token_ids),
-                    delta,
-                    out.finish_reason,
-                    out.error,
-                )
+                yield results, tr, out
         finally:
             if pending and self.client is not None and self.client.dead_reason is None:
                 self.client.abort([r.request_id for r in results if not r.finished])
