@@ -4,6 +4,10 @@ One loop: take frontend messages -> schedule -> encode once -> publish to every 
 rank 0's ModelRunnerOutput -> update -> send RequestOutputs. It blocks on sockets (poll with
 timeouts), pings the workers so they can tell it is alive, and declares a rank hung when it has
 been silent for `worker_timeout_s`.
+
+With async scheduling two steps are in flight: step k+1 is planned and published while the
+workers run step k, so scheduling, encoding, the broadcast and the update hide behind the
+forward pass. The token step k is sampling counts as an output placeholder (Scheduler).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -36,6 +41,7 @@ from protocol.messages import (
     ProfileControl,
     ProfileRequest,
     RequestOutput,
+    SchedulerOutput,
     Shutdown,
     ShutdownEngine,
     WorkerError,
@@ -80,6 +86,11 @@ class EngineCore:
         self.inflight: set[str] = set()
         self.steps = 0
         self.timeline = StepTimeline()
+        # async scheduling: published steps whose output has not arrived, oldest first, with
+        # their timeline stamps (schedule start, scheduled, encoded, published) and frame size
+        self.in_flight: deque[tuple[SchedulerOutput, tuple[float, float, float, float], int]]
+        self.in_flight = deque()
+        self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
         self.parent_pid = os.getppid()
 
@@ -150,16 +161,17 @@ class EngineCore:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> None:
+        step = self.step_async if self.config.async_scheduling else self.step
         while not self.shutdown_requested:
-            busy = self.scheduler.has_unfinished_requests()
+            busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
             self._poll_frontend(0 if busy else int(PING_INTERVAL_S * 1000))
             self._maybe_ping()
             self._check_alive()
             if self.shutdown_requested:
                 break
             self._flush(self.scheduler.take_outputs())
-            if self.scheduler.has_unfinished_requests():
-                self.step()
+            if self.scheduler.has_unfinished_requests() or self.in_flight:
+                step()
 
     def step(self) -> None:
         tl = self.timeline
@@ -185,10 +197,43 @@ class EngineCore:
             # Nothing could run (e.g. KV full, nothing to preempt): wait for input, don't spin.
             self._poll_frontend(int(PING_INTERVAL_S * 1000))
 
+    def step_async(self) -> None:
+        """Publish the next step if fewer than two are in flight, then finish the oldest.
+
+        Step k+1 is planned before step k's tokens are known, so its work (and the broadcast)
+        overlaps step k's forward pass; the workers find it queued when they finish step k.
+        """
+        in_flight = self.in_flight
+        if len(in_flight) < 2 and self.scheduler.has_unfinished_requests():
+            t0 = time.perf_counter()
+            so = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            frame = self.encoder.encode(so)
+            t2 = time.perf_counter()
+            self.pub.send(frame, copy=False)
+            in_flight.append((so, (t0, t1, t2, time.perf_counter()), len(frame)))
+            if len(in_flight) < 2 and self.scheduler.has_unfinished_requests():
+                return  # the first step of a burst: plan the next one before waiting
+        so, (t0, t1, t2, t3), nbytes = in_flight.popleft()
+        out = self._wait_for_output(so.step_id)
+        t4 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(so, out)
+        if self.config.debug_invariants:
+            self.scheduler.check_invariants()
+        t5 = time.perf_counter()
+        self._flush(outputs)
+        self._flush(self.scheduler.take_outputs())
+        self.steps += 1
+        if self.timeline.enabled:
+            self.timeline.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, nbytes)
+        if so.total_num_scheduled_tokens == 0 and not outputs and not in_flight:
+            self._poll_frontend(int(PING_INTERVAL_S * 1000))
+
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""
         need = self.world_size if self.config.enable_checksum else 1
-        got: dict[int, ModelRunnerOutput] = {}
+        # with two steps in flight a fast rank may answer step k+1 before a slow one answers k
+        got = self.early_outputs.pop(step_id, {})
         while len(got) < need:
             frame = recv_frame(self.results, int(PING_INTERVAL_S * 1000))
             self._maybe_ping()
@@ -197,6 +242,11 @@ class EngineCore:
                 continue
             msg = self._decode_worker(frame)
             if isinstance(msg, ModelRunnerOutput):
+                if msg.step_id > step_id and any(
+                    s.step_id == msg.step_id for s, _, _ in self.in_flight
+                ):
+                    self.early_outputs.setdefault(msg.step_id, {})[msg.rank] = msg
+                    continue
                 if msg.step_id != step_id:
                     raise EngineFatal(
                         f"rank {msg.rank} answered step {msg.step_id} while the engine waits "
@@ -317,6 +367,7 @@ class EngineCore:
             num_running=int(stats.get("num_running", 0)),
             num_waiting=int(stats.get("num_waiting", 0)),
             kv_usage=float(stats.get("kv_usage", 0.0)),
+            stats=stats,
         )
 
     # ------------------------------------------------------------------ worker side

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from engine_core.invariants import check_block_pool, check_scheduler_queues
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.ngram_proposer import NgramProposer
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
 from engine_core.scheduler_output_builder import StepDiff
@@ -28,6 +29,7 @@ from protocol.messages import (
 )
 
 RUNNING = RequestStatus.RUNNING
+PREEMPTED = RequestStatus.PREEMPTED
 STOPPED = RequestStatus.FINISHED_STOPPED
 LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _NO_BLOCKS: list = []  # never mutated: "allocated nothing new"
@@ -67,6 +69,20 @@ class Scheduler:
         self._spec_by_step: dict[int, dict[int, list[int]]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        # async scheduling: a request whose scheduled tokens reach its end samples a token
+        # the scheduler will only see after the next step is planned: count it as an output
+        # placeholder, so the gap rule schedules the following position right away
+        self.async_scheduling = config.async_scheduling
+        self.proposer: NgramProposer | None = None
+        if config.speculative_ngram:
+            self.proposer = NgramProposer(
+                config.speculative_ngram,
+                config.num_speculative_tokens,
+                config.speculative_ngram_min,
+            )
+        self.num_draft_tokens = 0  # drafts sent for verification
+        self.num_accepted_tokens = 0  # drafts the target model agreed with
+        self.num_spec_verifications = 0  # (request, step) pairs that carried drafts
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -179,12 +195,27 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         max_model_len = self.max_model_len
         overrides = diff.overrides
+        proposer = self.proposer
+        async_scheduling = self.async_scheduling
         total = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = req.num_tokens_with_spec + req.num_output_placeholders - computed
+            if proposer is not None and computed == req.num_tokens - 1:
+                # decoding: propose drafts for the positions after the newest token; at most
+                # remaining - 1 of them, since a verification also yields one token of its own
+                drafts = proposer.propose(req, req.length_limit - req.num_tokens - 1)
+                if drafts:
+                    req.set_spec_token_ids(drafts)
+            placeholders = req.num_output_placeholders
+            if placeholders and req.num_tokens + placeholders >= req.length_limit:
+                # its last token is already being sampled: nothing more to compute
+                assert req.handle is not None
+                overrides[req.handle] = 0
+                i += 1
+                continue
+            n = req.num_tokens_with_spec + placeholders - computed
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -196,7 +227,7 @@ class Scheduler:
                 overrides[req.handle] = 0
                 i += 1
                 continue
-            # no lookahead yet, so the manager's fast limit applies (see Request.kv_fast_limit)
+            # drafts are part of n, so their (lookahead) slots are allocated like any token's
             new_blocks = _NO_BLOCKS if computed + n <= req.kv_fast_limit else allocate(req, n)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -222,9 +253,11 @@ class Scheduler:
                 diff.grown[handle] = new_blocks  # type: ignore[index]
             if n != 1:
                 overrides[handle] = n  # type: ignore[index]
-                if req.spec_token_ids:
-                    self._take_spec_tokens(req, n, diff)
+            if req.spec_token_ids:
+                self._take_spec_tokens(req, n, diff)
             req.num_computed_tokens = computed + n
+            if async_scheduling and computed + n >= req.num_tokens + placeholders:
+                req.num_output_placeholders = placeholders + 1
             budget -= n
             total += n
             i += 1
@@ -315,6 +348,8 @@ class Scheduler:
                     )
                 )
             req.num_computed_tokens = num_hit + n
+            if self.async_scheduling and num_hit + n >= req.num_tokens:
+                req.num_output_placeholders = 1
             budget -= n
             diff.total += n
 
@@ -331,7 +366,6 @@ class Scheduler:
         else:
             counts = None
         by_handle = self._by_handle
-        max_model_len = self.max_model_len
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         if counts is None and spec is None:
@@ -346,50 +380,75 @@ class Scheduler:
                 new = tokens[pos : pos + counts[k]]
                 pos += counts[k]
             req = by_handle.get(handle)
-            # finished / preempted since the step was planned, or a partial prefill chunk
-            if req is None or req.status != RUNNING or req.num_computed_tokens < req.num_tokens:
+            if req is None:  # finished or aborted since the step was planned
                 continue
-            if spec is not None and handle in spec:
-                # drafts beyond the accepted ones were computed on wrong tokens: recompute
-                req.num_computed_tokens -= len(spec[handle]) - (len(new) - 1)
-            status = None
-            for j, tok in enumerate(new):
-                req.append_output_token(tok)
-                if req.num_output_placeholders:
-                    req.num_output_placeholders -= 1
-                n_out = len(req.output_token_ids)
-                if tok in req.stop_ids and n_out >= req.min_tokens:
-                    status = STOPPED
-                elif n_out >= req.max_tokens or req.num_tokens >= max_model_len:
-                    status = LENGTH_CAPPED
-                if status is not None:
-                    new = new[: j + 1]
-                    break
-            if status is None:
-                if len(req.output_token_ids) == len(new) and req.num_cached_tokens > 0:
-                    outputs.append(
-                        RequestOutput(
-                            request_id=req.request_id,
-                            new_token_ids=new,
-                            num_cached_tokens=req.num_cached_tokens,
-                        )
-                    )
-                else:
-                    outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=new))
-            else:
-                outputs.append(
-                    RequestOutput(
-                        request_id=req.request_id,
-                        new_token_ids=new,
-                        finish_reason=FINISH_REASONS[status],
-                        num_cached_tokens=max(req.num_cached_tokens, 0),
-                    )
-                )
+            if req.status != RUNNING:
+                if req.status == PREEMPTED:
+                    self._update_preempted(req, new, outputs)
+                continue
+            if req.num_computed_tokens < req.num_tokens:  # a partial prefill chunk
+                continue
+            if spec is not None:
+                drafts = spec.get(handle)
+                if drafts is not None:
+                    # drafts after the first rejected one were computed on wrong tokens:
+                    # their KV is recomputed (tokens = accepted drafts + one of the model's)
+                    num_accepted = len(new) - 1
+                    req.num_computed_tokens -= len(drafts) - num_accepted
+                    self.num_draft_tokens += len(drafts)
+                    self.num_accepted_tokens += num_accepted
+                    self.num_spec_verifications += 1
+            new, status = self._append_tokens(req, new)
+            outputs.append(self._output(req, new, status))
+            if status is not None:
                 self._free_request(req, status)
                 finished.append(req)
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
+
+    def _append_tokens(
+        self, req: Request, new: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append sampled tokens up to the first that stops the request; returns the tokens
+        kept and the finished status (None = still running)."""
+        for j, tok in enumerate(new):
+            req.append_output_token(tok)
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+            if tok in req.stop_ids and len(req.output_token_ids) >= req.min_tokens:
+                return new[: j + 1], STOPPED
+            if req.num_tokens >= req.length_limit:
+                return new[: j + 1], LENGTH_CAPPED
+        return new, None
+
+    @staticmethod
+    def _output(req: Request, new: list[int], status: RequestStatus | None) -> RequestOutput:
+        if status is not None:
+            return RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=new,
+                finish_reason=FINISH_REASONS[status],
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+        if len(req.output_token_ids) == len(new) and req.num_cached_tokens > 0:
+            # the first tokens: tell the frontend how much of the prompt was a cache hit
+            return RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=new,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        return RequestOutput(request_id=req.request_id, new_token_ids=new)
+
+    def _update_preempted(self, req: Request, new: list[int], outputs: list[RequestOutput]) -> None:
+        """Async scheduling: a request preempted while a step that samples for it was in
+        flight still takes that token. It was sampled from the right state and the workers
+        kept it with the request's tokens, so dropping it would desynchronize them."""
+        new, status = self._append_tokens(req, new)
+        outputs.append(self._output(req, new, status))
+        if status is not None:
+            self.waiting.remove_requests([req])
+            self._free_request(req, status)
 
     def _update_one_token_each(
         self, handles: list[int], tokens: list[int], outputs: list[RequestOutput]
@@ -400,8 +459,13 @@ class Scheduler:
         any_finished = False
         for handle, tok in zip(handles, tokens, strict=True):
             req = by_handle.get(handle)
-            # finished / preempted since the step was planned, or a partial prefill chunk
-            if req is None or req.status != RUNNING or req.num_computed_tokens < req.num_tokens:
+            if req is None:  # finished or aborted since the step was planned
+                continue
+            if req.status != RUNNING:
+                if req.status == PREEMPTED:
+                    self._update_preempted(req, [tok], outputs)
+                continue
+            if req.num_computed_tokens < req.num_tokens:  # a partial prefill chunk
                 continue
             req.append_output_token(tok)
             if req.num_output_placeholders:
@@ -448,6 +512,13 @@ class Scheduler:
             "num_waiting": float(len(self.waiting)),
             "num_preemptions": float(self.num_preemptions),
             "num_steps": float(self.num_steps),
+            "spec_num_draft_tokens": float(self.num_draft_tokens),
+            "spec_num_accepted_tokens": float(self.num_accepted_tokens),
+            "spec_num_verifications": float(self.num_spec_verifications),
+            # share of drafts accepted, and tokens gained per verification (bonus included)
+            "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+            "spec_mean_accepted_len": 1.0
+            + self.num_accepted_tokens / max(1, self.num_spec_verifications),
         }
 
     def check_invariants(self) -> None:

@@ -22,6 +22,8 @@ COLUMNS = [
     "worker_sample_us",
     "num_tokens",
     "frame_bytes",
+    "end_s",  # perf_counter seconds when the step's outputs were sent; with async scheduling
+    # steps overlap, so step wall time is the gap between consecutive end_s
 ]
 
 
@@ -67,5 +69,6 @@ class StepTimeline:
                 w[2],
                 float(so.total_num_scheduled_tokens),
                 float(frame_bytes),
+                t6,
             ]
         )

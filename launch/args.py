@@ -62,7 +62,26 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--prefix-hash", default=d.prefix_hash, choices=["sha256", "fast"])
-    g.add_argument("--async-scheduling", action="store_true")
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule step k+1 while the workers run step k",
+    )
+    g.add_argument(
+        "--speculative-ngram",
+        type=int,
+        default=0,
+        metavar="N",
+        help="n-gram speculative decoding: longest n-gram to look up (0 = off)",
+    )
+    g.add_argument("--speculative-ngram-min", type=int, default=1, metavar="N")
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="drafts proposed per request per step",
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--debug-invariants", action="store_true")
     g.add_argument("--enable-checksum", action="store_true")

@@ -137,7 +137,13 @@ def run_node(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from protocol.config import EngineConfig, config_error
+
+    err = config_error(EngineConfig(**engine_options(args)))
+    if err is not None:
+        parser.error(err)
     _signals_to_exceptions()
     if args.node_rank > 0:
         return run_node(args)

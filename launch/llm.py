@@ -19,7 +19,7 @@ from launch.processes import (
 from launch.processes import (
     start_workers as start_local_workers,
 )
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, config_error
 from protocol.messages import HealthReport, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
@@ -36,7 +36,11 @@ def _engine_config(model: str, tensor_parallel_size: int, options: dict[str, Any
         raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(ENGINE_OPTIONS)}")
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    return EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
+    config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
+    err = config_error(config)
+    if err is not None:
+        raise ValueError(err)
+    return config
 
 
 class LLM:
@@ -325,6 +329,11 @@ class LLM:
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         """Liveness of every rank (seconds since each was last heard) and forward progress."""
         return self._client().health(timeout_s)
+
+    def get_stats(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """The scheduler's counters: prefix-cache hits, preemptions, steps, and with
+        speculative decoding spec_acceptance_rate and spec_mean_accepted_len."""
+        return dict(self._client().health(timeout_s).stats)
 
     def start_profile(self, trace_dir: str = "", torch_profiler: bool = True) -> None:
         """torch.profiler on every rank (Chrome traces in trace_dir) + the step timeline."""

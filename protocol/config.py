@@ -24,10 +24,37 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefix_hash: str = "sha256"  # sha256 (collision safe) | fast (Python hash of tuples)
     kv_cache_memory: int = 256 * 1024 * 1024  # bytes of K+V per rank
     num_gpu_blocks_override: int | None = None  # force a KV capacity (tests of KV pressure)
+    # plan step k+1 while the workers run step k (the in-flight token is a placeholder)
     async_scheduling: bool = False
+    # n-gram (prompt-lookup) speculative decoding: match the last n tokens, n from
+    # speculative_ngram down to speculative_ngram_min, and propose the tokens that followed
+    # the latest earlier match; 0 = off
+    speculative_ngram: int = 0
+    speculative_ngram_min: int = 1
+    num_speculative_tokens: int = 0  # drafts per request per step (K)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     debug_invariants: bool = False  # check block-pool invariants after every step
     enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
     worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung
     max_frame_bytes: int = 64 * 1024 * 1024
+
+
+def config_error(config: EngineConfig) -> str | None:
+    """Why these options cannot work together, or None; checked before anything starts."""
+    if config.speculative_ngram < 0 or config.num_speculative_tokens < 0:
+        return "speculative_ngram and num_speculative_tokens must be >= 0"
+    if config.speculative_ngram and not config.num_speculative_tokens:
+        return "speculative_ngram needs num_speculative_tokens >= 1 (--num-speculative-tokens)"
+    if config.num_speculative_tokens and not config.speculative_ngram:
+        return "num_speculative_tokens needs a proposer: set --speculative-ngram"
+    max_n = config.speculative_ngram
+    if max_n and not 1 <= config.speculative_ngram_min <= max_n:
+        return (
+            f"speculative_ngram_min must be in [1, speculative_ngram={max_n}], "
+            f"got {config.speculative_ngram_min}"
+        )
+    if config.speculative_ngram and config.async_scheduling:
+        # The proposer needs the newest token, which async scheduling has not seen yet.
+        return "async_scheduling and speculative decoding cannot be combined yet"
+    return None

@@ -109,6 +109,8 @@ class HealthReport(msgspec.Struct, array_like=True, tag=12, kw_only=True):
     num_running: int
     num_waiting: int
     kv_usage: float
+    # the scheduler's counters (prefix cache, preemptions, speculative acceptance, ...)
+    stats: dict[str, float] = {}
 
 
 class EngineDead(msgspec.Struct, array_like=True, tag=13):

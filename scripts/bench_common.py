@@ -24,6 +24,8 @@ from launch.args import add_engine_args, engine_options  # noqa: E402
 # Phases of one engine step whose sum is the step's wall time (the core's own clock).
 STEP_PHASES = ["schedule_us", "encode_us", "broadcast_us", "wait_us", "update_us", "emit_us"]
 WORKER_PHASES = ["worker_prep_us", "worker_forward_us", "worker_sample_us"]
+# a step that starts this long after the previous one ended found the engine idle
+IDLE_GAP_S = 1e-3
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -172,8 +174,12 @@ class Profiling:
 def breakdown_summary(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
     """Per-phase median µs over steps, and the share of step wall time that is not forward.
 
-    non_forward_fraction = 1 - sum(worker_forward_us) / sum(step wall time), step wall time being
-    schedule + encode + broadcast + wait + update + emit.
+    A step's wall time is the time between the ends of consecutive steps (their outputs sent),
+    so it counts everything the engine did per step, and it stays right with async
+    scheduling, where a step is planned while the one before it runs. The first step, and a
+    step that started after the engine sat idle, count from their own start instead.
+    exposed host time = wall - worker forward; non_forward_fraction = 1 - sum(forward) /
+    sum(wall).
     """
     col = {name: i for i, name in enumerate(COLUMNS)}
     out: dict[str, Any] = {"steps": len(rows)}
@@ -183,11 +189,46 @@ def breakdown_summary(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
     for name in STEP_PHASES + WORKER_PHASES + ["num_tokens", "frame_bytes"]:
         key = name[:-3] + "_median_us" if name.endswith("_us") else name + "_median"
         out[key] = percentile([r[col[name]] for r in rows], 50)
-    wall = sum(sum(r[col[p]] for p in STEP_PHASES) for r in rows)
-    fwd = sum(r[col["worker_forward_us"]] for r in rows)
-    walls = [sum(r[col[p]] for p in STEP_PHASES) for r in rows]
+    walls = []
+    prev_end: float | None = None
+    for r in rows:
+        start, end = r[col["start_s"]], r[col["end_s"]]
+        if prev_end is None or start > prev_end + IDLE_GAP_S:
+            walls.append((end - start) * 1e6)
+        else:
+            walls.append((end - prev_end) * 1e6)
+        prev_end = end
+    fwd = [r[col["worker_forward_us"]] for r in rows]
     out["step_wall_median_us"] = percentile(walls, 50)
-    out["non_forward_fraction"] = 1.0 - fwd / wall if wall > 0 else math.nan
+    out["exposed_host_median_us"] = percentile([w - f for w, f in zip(walls, fwd, strict=True)], 50)
+    out["non_forward_fraction"] = 1.0 - sum(fwd) / sum(walls) if sum(walls) > 0 else math.nan
+    return out
+
+
+def scheduler_summary(
+    args: argparse.Namespace, before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    """Engine-mode keys and the scheduler counters of the measured region (after - before):
+    preemptions, and with speculative decoding the acceptance rate and mean accepted length
+    (tokens per verification, the model's own token included)."""
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    out: dict[str, Any] = {
+        "async_scheduling": bool(getattr(args, "async_scheduling", False)),
+        "num_preemptions": int(delta("num_preemptions")),
+    }
+    if getattr(args, "speculative_ngram", 0):
+        drafts, accepted = delta("spec_num_draft_tokens"), delta("spec_num_accepted_tokens")
+        verifications = delta("spec_num_verifications")
+        out.update(
+            speculative_ngram=args.speculative_ngram,
+            num_speculative_tokens=args.num_speculative_tokens,
+            spec_num_draft_tokens=int(drafts),
+            spec_acceptance_rate=accepted / drafts if drafts else 0.0,
+            spec_mean_accepted_len=1.0 + accepted / verifications if verifications else 1.0,
+        )
     return out
 
 

@@ -24,6 +24,7 @@ from bench_common import (  # noqa: E402
     emit_json,
     percentile,
     print_breakdown,
+    scheduler_summary,
     start_llm,
 )
 
@@ -69,10 +70,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         for _ in range(args.num_iters_warmup):
             one_iter()
+        stats_before = llm.get_stats()
         prof.start()
         for _ in range(args.num_iters):
             latencies.append(one_iter())
         breakdown = prof.stop()
+        stats_after = llm.get_stats()
     finally:
         llm.shutdown()
         prof.close()
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latencies_s": latencies,
     }
     result.update(breakdown)
+    result.update(scheduler_summary(args, stats_before, stats_after))
     return result
 
 

@@ -34,6 +34,7 @@ from bench_common import (  # noqa: E402
     make_prompts,
     print_breakdown,
     sampling_params,
+    scheduler_summary,
     start_llm,
 )
 
@@ -178,9 +179,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = [[rng.randrange(llm.info.vocab_size) for _ in range(8)] for _ in range(2)]
         for i in range(args.num_warmup):
             run_one(llm, warm[i % 2], params, args.timeout_s)
+        stats_before = llm.get_stats()
         prof.start()
         records, wall = run_load(llm, prompts, params, args)
         breakdown = prof.stop()
+        stats_after = llm.get_stats()
     finally:
         llm.shutdown()
         prof.close()
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     res |= summarize(records, wall, args.slo)
     res |= breakdown
+    res |= scheduler_summary(args, stats_before, stats_after)
     return res
 
 

@@ -27,6 +27,7 @@ from bench_common import (  # noqa: E402
     percentile,
     print_breakdown,
     sampling_params,
+    scheduler_summary,
     start_llm,
 )
 
@@ -61,11 +62,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = make_prompts(args, llm.info.vocab_size)
         params = sampling_params(args)
         warm_up(llm, args, llm.info.vocab_size)
+        stats_before = llm.get_stats()
         prof.start()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=not args.json)
         total = time.perf_counter() - t0
         breakdown = prof.stop()
+        stats_after = llm.get_stats()
     finally:
         llm.shutdown()
         prof.close()
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tpot_median_ms": percentile(tpots, 50) * 1e3,
     }
     result.update(breakdown)
+    result.update(scheduler_summary(args, stats_before, stats_after))
     return result
 
 
@@ -105,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{res['output_tokens_per_s']:.0f} output tok/s "
             f"(TP={res['tensor_parallel_size']}, {res['dtype']})"
         )
+        if "spec_acceptance_rate" in res:
+            print(
+                f"speculation: acceptance rate {res['spec_acceptance_rate']:.3f}, "
+                f"mean accepted length {res['spec_mean_accepted_len']:.2f}"
+            )
         print_breakdown({k: v for k, v in res.items() if k in _breakdown_keys(res)})
     else:
         emit_json(res)

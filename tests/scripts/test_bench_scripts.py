@@ -85,12 +85,25 @@ def test_breakdown_summary_non_forward_fraction() -> None:
     # step wall = 10 + 5 + 5 + 70 + 5 + 5 = 100 µs, forward 60 µs -> 40% is not forward
     row.update(schedule_us=10, encode_us=5, broadcast_us=5, wait_us=70, update_us=5, emit_us=5)
     row.update(worker_forward_us=60, worker_prep_us=4, worker_sample_us=3, num_tokens=8)
-    rows = [[row[c] for c in cols]] * 3
+    rows = []
+    for i in range(3):  # back to back, 100 µs each
+        row.update(start_s=1.0 + i * 100e-6, end_s=1.0 + (i + 1) * 100e-6)
+        rows.append([row[c] for c in cols])
     s = bench_common.breakdown_summary(rows)
     assert s["non_forward_fraction"] == pytest.approx(0.4)
     assert s["steps"] == 3
     assert s["worker_forward_median_us"] == 60
     assert s["step_wall_median_us"] == pytest.approx(100)
+    assert s["exposed_host_median_us"] == pytest.approx(40)
+    # async: each step was planned while the one before ran (start before the previous end),
+    # ends 70 µs apart: its wall time is 70, not its 140 µs from start to end
+    rows = []
+    for i in range(3):
+        row.update(start_s=1.0 + i * 70e-6, end_s=1.0 + 140e-6 + i * 70e-6)
+        rows.append([row[c] for c in cols])
+    s = bench_common.breakdown_summary(rows)
+    assert s["step_wall_median_us"] == pytest.approx(70)
+    assert s["exposed_host_median_us"] == pytest.approx(10)
     assert math.isnan(bench_common.breakdown_summary([])["non_forward_fraction"])
 
 
