@@ -47,7 +47,7 @@ def config_error(config: EngineConfig) -> str | None:
     if config.speculative_ngram and not config.num_speculative_tokens:
         return "speculative_ngram needs num_speculative_tokens >= 1 (--num-speculative-tokens)"
     if config.num_speculative_tokens and not config.speculative_ngram:
-        return "num_speculative_tokens needs a proposer: set --speculative-ngram"
+        return "num_speculative_tokens needs speculative_ngram (--speculative-ngram)"
     max_n = config.speculative_ngram
     if max_n and not 1 <= config.speculative_ngram_min <= max_n:
         return (

@@ -9,6 +9,8 @@ pressure must produce the same outputs.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.request import Request
@@ -31,8 +33,14 @@ class _State:
 
 
 class FakeWorker:
-    def __init__(self, block_size: int, roundtrip: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        roundtrip: bool = True,
+        model: Callable[[list[int]], int] = next_token,
+    ) -> None:
         self.block_size = block_size
+        self.model = model  # context -> next token (deterministic)
         self.reqs: dict[int, _State] = {}
         self.running: set[int] = set()
         self.kv: dict[tuple[int, int], int] = {}  # (block_id, slot) -> prefix fingerprint
@@ -98,28 +106,50 @@ class FakeWorker:
         assert len(self.running) == so.num_running, (len(self.running), so.num_running)
         assert sum(sched.values()) == so.total_num_scheduled_tokens
         self.last_num_scheduled = {h: n for h, n in sched.items() if n}
+        drafts: dict[int, list[int]] = {}
+        flat = unpack(so.spec_token_ids)
+        pos = 0
+        for h, c in zip(unpack(so.spec_handles), unpack(so.spec_token_counts), strict=True):
+            assert h in self.running and h not in drafts and c >= 1
+            drafts[h] = flat[pos : pos + c]
+            pos += c
+        assert pos == len(flat)
         # like paged attention: every token's KV is written before anyone reads (a request
-        # may hit blocks another request fills in this same step)
+        # may hit blocks another request fills in this same step); drafts get KV too
         for h, n in sched.items():
             st = self.reqs[h]
-            assert st.num_computed + n <= len(st.tokens), "scheduled past the known tokens"
+            seq = st.tokens + drafts.get(h, [])
+            if h in drafts:
+                assert st.num_computed + n == len(seq), "drafts must end the scheduled range"
+            assert st.num_computed + n <= len(seq), "scheduled past the known tokens"
             for p in range(st.num_computed, st.num_computed + n):
-                self.kv[self._slot(st, p)] = hash(tuple(st.tokens[: p + 1]))
+                self.kv[self._slot(st, p)] = hash(tuple(seq[: p + 1]))
         for st in to_check:
             self._check_prefix(st, st.num_computed)
-        handles, toks = [], []
+        handles, toks, counts = [], [], []
         for h, n in sched.items():
             if n == 0:
                 continue
             st = self.reqs[h]
             st.num_computed += n
-            if st.num_computed == len(st.tokens):
-                tok = next_token(st.tokens)
-                st.tokens.append(tok)
+            d = drafts.get(h, [])
+            if st.num_computed == len(st.tokens) + len(d):
+                # greedy verification: drafts count while they equal the model's own token
+                accepted = 0
+                while accepted < len(d) and d[accepted] == self.model(st.tokens + d[:accepted]):
+                    accepted += 1
+                new = d[:accepted] + [self.model(st.tokens + d[:accepted])]
+                st.num_computed -= len(d) - accepted  # rejected drafts' KV is recomputed
+                st.tokens.extend(new)
                 handles.append(h)
-                toks.append(tok)
+                toks.extend(new)
+                counts.append(len(new))
         return ModelRunnerOutput(
-            step_id=so.step_id, rank=0, req_handles=pack(handles), sampled_token_ids=pack(toks)
+            step_id=so.step_id,
+            rank=0,
+            req_handles=pack(handles),
+            num_tokens=pack(counts) if any(c != 1 for c in counts) else b"",
+            sampled_token_ids=pack(toks),
         )
 
 
@@ -167,6 +197,42 @@ def run_to_completion(
         for o in sched.update_from_output(so, worker.step(so)) + sched.take_outputs():
             outs.setdefault(o.request_id, []).append(o)
         sched.check_invariants()
+    raise AssertionError("requests did not finish")
+
+
+def run_async_to_completion(
+    sched: Scheduler,
+    worker: FakeWorker,
+    max_steps: int = 10_000,
+    on_step: Callable[[int, Scheduler], None] | None = None,
+) -> dict[str, list[RequestOutput]]:
+    """Like run_to_completion, with the async engine core's order: step k+1 is scheduled
+    (and executed by the worker, which runs steps in order) before step k's tokens reach the
+    scheduler. on_step(k, sched) runs after step k is scheduled, e.g. to abort or add."""
+    outs: dict[str, list[RequestOutput]] = {}
+
+    def collect(items: list[RequestOutput]) -> None:
+        for o in items:
+            outs.setdefault(o.request_id, []).append(o)
+
+    collect(sched.take_outputs())
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    for k in range(max_steps):
+        if not sched.has_unfinished_requests() and not in_flight:
+            return outs
+        if sched.has_unfinished_requests():
+            so = sched.schedule()
+            in_flight.append((so, worker.step(so)))
+            if on_step is not None:
+                on_step(k, sched)
+                collect(sched.take_outputs())
+            if len(in_flight) < 2 and sched.has_unfinished_requests():
+                continue
+        so, out = in_flight.popleft()
+        collect(sched.update_from_output(so, out) + sched.take_outputs())
+        sched.check_invariants()
+        for r in sched.running:
+            assert r.num_output_placeholders >= 0 and r.num_computed_tokens >= 0, r
     raise AssertionError("requests did not finish")
 
 
