@@ -3,7 +3,8 @@
 One tiny random Llama saved with save_pretrained (fp32). The engine runs it at TP=1 with default
 options and at TP=2 with a tiny token budget (chunked prefill), block size 4 (prefix-cache hits on
 shared prefixes and on a second identical round) and a KV cache too small for the batch
-(preemption by recompute). Every case must reproduce the reference tokens exactly.
+(preemption by recompute); the TP=2 case again with async scheduling and with n-gram
+speculative decoding. Every case must reproduce the reference tokens exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _prompts() -> list[list[int]]:
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 17, 30)]
     prompts += [shared + [rng.randrange(VOCAB) for _ in range(n)] for n in (2, 9)]
     prompts.append(shared[:8])  # entirely inside another prompt's cached blocks
+    prompts.append([5, 9, 2, 7] * 5)  # repetitive: the n-gram proposer has drafts to verify
     return prompts
 
 
@@ -66,6 +68,14 @@ CASES = {
         debug_invariants=True,
     ),
 }
+# the same pressure with async scheduling (two steps in flight) and with n-gram speculation
+CASES["tp2-async-chunked-prefix-preemption"] = dict(
+    CASES["tp2-chunked-prefix-preemption"], async_scheduling=True
+)
+CASES["tp2-spec-chunked-prefix-preemption"] = dict(
+    CASES["tp2-chunked-prefix-preemption"], speculative_ngram=2, num_speculative_tokens=3
+)
+CASES["tp1-spec"] = dict(tensor_parallel_size=1, speculative_ngram=3, num_speculative_tokens=4)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -87,3 +97,5 @@ def test_greedy_tokens_equal_transformers(hf_model, case: str) -> None:
     assert stats["prefix_cache_hits"] > 0
     if case.startswith("tp2"):
         assert stats["num_preemptions"] > 0, stats
+    if "spec" in case:
+        assert stats["spec_num_draft_tokens"] > 0, stats
