@@ -1,6 +1,6 @@
 """Bad input gets a clear, specific error for that request; everyone else is served normally.
 
-One engine (dummy:micro, TP=1) for the whole module. Every bad request rides in a batch with a good
+One engine (dummy:micro, TP=1) for the whole module, then one with async scheduling. Every bad request rides in a batch with a good
 one, which must complete untouched. Raw garbage frames on the engine's request socket must be
 dropped without harming the engine.
 """
@@ -27,11 +27,14 @@ MAX_LEN = 128
 GOOD = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request: pytest.FixtureRequest) -> Iterator[LLM]:
+    # Every test runs again with async scheduling: aborts, resubmitted ids and bad requests
+    # must behave the same with two steps in flight.
     engine = LLM(
         "dummy:micro",
         1,
+        async_scheduling=request.param,
         load_tokenizer=False,
         max_model_len=MAX_LEN,
         max_num_seqs=2,
