@@ -16,6 +16,7 @@ import torch
 from protocol.codec import ProtocolError, unpack_np
 from protocol.messages import SamplingParams, SchedulerOutput
 from workers.sampler import SamplingMetadata, make_generator
+from workers.spec_decode import DraftLayout, ragged_arange
 
 
 class StateMismatchError(RuntimeError):
@@ -58,10 +59,12 @@ class BatchInputs:
     query_start_loc: np.ndarray  # [R+1] int32
     seq_lens: np.ndarray  # [R] int32
     block_table: np.ndarray  # [R, W] int32, 0-padded
-    logits_indices: np.ndarray  # [S] int64: last token of each request that samples
+    logits_indices: np.ndarray  # [S + K] int64: last 1 + k_i tokens of each sampling request
     sample_rows: np.ndarray  # [S] batch rows that sample, same order
     max_query_len: int
     max_seq_len: int
+    # None when no request carries drafts this step (then logits_indices has S entries)
+    drafts: DraftLayout | None = None
 
 
 class InputBatch:
@@ -93,6 +96,10 @@ class InputBatch:
         self.min_p = np.zeros(m, dtype=np.float32)
         self.want_logprobs = np.zeros(m, dtype=bool)
         self.seeded = np.zeros(m, dtype=bool)
+        # Drafts under verification this step sit in token_ids right after num_tokens; they
+        # are not the request's tokens until accepted, so num_tokens never counts them.
+        self.num_drafts = np.zeros(m, dtype=np.int32)
+        self._draft_rows: np.ndarray | None = None  # rows with drafts this step
         self.num_seeded = 0  # rows with a per-request generator
         self.generators: list[torch.Generator | None] = [None] * m
         self._arrays = (
@@ -218,8 +225,9 @@ class InputBatch:
             raise StateMismatchError(
                 f"step gap: expected step {self.last_step_id + 1}, got {so.step_id}"
             )
-        if so.spec_handles or so.spec_token_counts or so.spec_token_ids:
-            raise NotImplementedError("speculative decoding is not implemented by workers yet")
+        if self._draft_rows is not None:  # the previous step never finished: drop its drafts
+            self.num_drafts[:] = 0
+            self._draft_rows = None
         for h in unpack_i32(so.finished_handles, "finished_handles").tolist():
             st = self.states.pop(h, None)
             if st is None:
@@ -262,6 +270,8 @@ class InputBatch:
                 f"total_num_scheduled_tokens: scheduler says {so.total_num_scheduled_tokens}, "
                 f"worker counts {total}"
             )
+        if so.spec_handles or so.spec_token_counts or so.spec_token_ids:
+            self._set_drafts(so, fresh)
         self.last_step_id = so.step_id
 
     def _append_blocks(self, so: SchedulerOutput) -> None:
@@ -307,6 +317,51 @@ class InputBatch:
                 raise StateMismatchError(f"negative num_scheduled_tokens for {st.handle}")
             self.num_scheduled[st.row] = c
 
+    def _set_drafts(self, so: SchedulerOutput, fresh: list[tuple[CachedRequestState, int]]):
+        """Check the drafts against the schedule and write them after each row's tokens."""
+        handles = unpack_i32(so.spec_handles, "spec_handles").tolist()
+        counts = unpack_i32(so.spec_token_counts, "spec_token_counts")
+        ids = unpack_i32(so.spec_token_ids, "spec_token_ids")
+        if len(counts) != len(handles) or int(counts.sum()) != len(ids):
+            raise StateMismatchError(
+                f"spec diff: {len(handles)} handles, {len(counts)} draft counts summing to "
+                f"{int(counts.sum())}, {len(ids)} draft token ids"
+            )
+        if (counts < 1).any() or (ids < 0).any():
+            raise StateMismatchError("spec diff: a draft count < 1 or a negative draft token id")
+        fresh_handles = {st.handle for st, _ in fresh}
+        row_list = []
+        for h in handles:
+            if h in fresh_handles:
+                raise StateMismatchError(f"spec drafts for new/resumed handle {h}")
+            row_list.append(self._running_row(h, "spec_handles"))
+        if len(set(row_list)) != len(row_list):
+            raise StateMismatchError("spec_handles lists a handle twice")
+        rows = np.array(row_list, dtype=np.int64)
+        num_tokens = self.num_tokens[rows]
+        computed = self.num_computed_tokens[rows]
+        scheduled = self.num_scheduled[rows]
+        # The scheduler computes the last token plus every draft, nothing more or less.
+        bad = computed + scheduled != num_tokens + counts
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise StateMismatchError(
+                f"request {handles[i]}: {int(counts[i])} drafts need num_computed_tokens + "
+                f"num_scheduled == num_tokens + drafts; worker has {int(computed[i])} + "
+                f"{int(scheduled[i])} != {int(num_tokens[i])} + {int(counts[i])}"
+            )
+        over = num_tokens + counts > self.max_model_len
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise StateMismatchError(
+                f"request {handles[i]}: {int(num_tokens[i])} tokens + {int(counts[i])} drafts "
+                f"> max_model_len={self.max_model_len}"
+            )
+        cols = np.repeat(num_tokens, counts) + ragged_arange(counts)
+        self._flat_tokens[np.repeat(rows, counts) * self.token_ids.shape[1] + cols] = ids
+        self.num_drafts[rows] = counts
+        self._draft_rows = rows
+
     def _running_row(self, handle: int, what: str) -> int:
         st = self.states.get(handle)
         if st is None or st.row < 0:
@@ -345,6 +400,8 @@ class InputBatch:
             qsl[1:] = cu
         seq_lens = computed + counts
         num_tokens = self.num_tokens[sel]
+        if self._draft_rows is not None:  # drafts are computed on like tokens the row holds
+            num_tokens = num_tokens + self.num_drafts[sel]
         # Never compute on tokens the worker does not hold or KV slots it was not given.
         bad = (seq_lens > num_tokens) | (seq_lens > self.num_blocks[sel] * bs)
         if bad.any():
@@ -367,6 +424,9 @@ class InputBatch:
             pick = np.flatnonzero(sampling)
             logits_indices = qsl[1:][pick].astype(np.int64) - 1
             sample_rows = rows[pick]
+        drafts = None
+        if self._draft_rows is not None:
+            logits_indices, drafts = self._verification_targets(sample_rows, logits_indices)
         return BatchInputs(
             rows=rows,
             num_scheduled=counts,
@@ -380,7 +440,22 @@ class InputBatch:
             sample_rows=sample_rows,
             max_query_len=int(counts.max()) if len(rows) else 0,
             max_seq_len=max_seq_len,
+            drafts=drafts,
         )
+
+    def _verification_targets(
+        self, sample_rows: np.ndarray, last: np.ndarray
+    ) -> tuple[np.ndarray, DraftLayout]:
+        """Logits indices of each sampling row's last k + 1 tokens, and where its drafts are.
+
+        A row with drafts computes its whole schedule, so it always samples (seq_len == its
+        tokens + drafts): every draft row is among sample_rows.
+        """
+        k = self.num_drafts[sample_rows].astype(np.int64)
+        start = sample_rows * self.token_ids.shape[1] + self.num_tokens[sample_rows]
+        draft_ids = self._flat_tokens.take(np.repeat(start, k) + ragged_arange(k))
+        layout = DraftLayout(k, draft_ids)
+        return np.repeat(last - k, k + 1) + layout.rel, layout
 
     def _arange_tokens(self, total: int) -> np.ndarray:
         if total > len(self._arange):
@@ -403,10 +478,31 @@ class InputBatch:
             need_logprobs=bool(self.want_logprobs[sample_rows].any()),
         )
 
-    def update_after_step(self, inputs: BatchInputs, sampled: np.ndarray) -> None:
-        """Advance num_computed_tokens by what was scheduled; append the sampled tokens."""
+    def update_after_step(
+        self, inputs: BatchInputs, sampled: np.ndarray, counts: np.ndarray | None = None
+    ) -> None:
+        """Advance num_computed_tokens by what was scheduled; append the sampled tokens.
+
+        ``counts`` (tokens per sampling row, flattened in ``sampled``) is required when the
+        step verified drafts; None means one token per sampling row.
+        """
         self.num_computed_tokens[inputs.rows] += inputs.num_scheduled
         rows = inputs.sample_rows
-        if len(rows):
-            self.token_ids[rows, self.num_tokens[rows]] = sampled
-            self.num_tokens[rows] += 1
+        if inputs.drafts is None:
+            if len(rows):
+                self.token_ids[rows, self.num_tokens[rows]] = sampled
+                self.num_tokens[rows] += 1
+            return
+        if counts is None or len(counts) != len(rows) or int(counts.sum()) != len(sampled):
+            raise ValueError("a step with drafts needs the token count of every sampling row")
+        k = self.num_drafts[rows]
+        # Rejected drafts' KV was computed on wrong tokens: roll back so they get recomputed
+        # (the scheduler applies the same rollback to its own count).
+        self.num_computed_tokens[rows] -= k - (counts - 1)
+        num_tokens = self.num_tokens[rows]
+        start = rows * self.token_ids.shape[1] + num_tokens
+        self._flat_tokens[np.repeat(start, counts) + ragged_arange(counts)] = sampled
+        self.num_tokens[rows] = num_tokens + counts
+        assert self._draft_rows is not None
+        self.num_drafts[self._draft_rows] = 0
+        self._draft_rows = None

@@ -18,6 +18,7 @@ from workers.attention import AttentionMetadata
 from workers.distributed import DistEnv
 from workers.input_batch import BatchInputs, InputBatch
 from workers.sampler import GREEDY_EPS, Sampler, tokens_checksum
+from workers.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
 
 if TYPE_CHECKING:
     from workers.llama import LlamaForCausalLM
@@ -97,26 +98,39 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         sampled = None
         lp = None
+        spec: SpecOutput | None = None
+        drafts = inputs.drafts  # set only when some request verifies drafts this step
         if len(inputs.sample_rows):
             idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
             md = batch.sampling_metadata(inputs.sample_rows)
             if not md.need_logprobs and bool((md.temperature <= GREEDY_EPS).all()):
-                # All greedy: argmax per vocab shard, no full-logit all-gather.
-                sampled = self.model.greedy_tokens(hidden[idx]).to(torch.int32).cpu().numpy()
+                # All greedy: argmax per vocab shard, no full-logit all-gather; drafts only
+                # add logits indices.
+                targets = self.model.greedy_tokens(hidden[idx])
+                if drafts is None:
+                    sampled = targets.to(torch.int32).cpu().numpy()
+                else:
+                    spec = verify_greedy(targets, drafts)
                 t2 = time.perf_counter()
             else:
                 logits = self.model.compute_logits(hidden[idx])
                 t2 = time.perf_counter()
-                out = self.sampler(logits, md)
-                sampled = out.token_ids.to(torch.int32).cpu().numpy()
-                if out.logprobs is not None:
-                    lp = out.logprobs.float().cpu().numpy()
+                if drafts is None:
+                    out = self.sampler(logits, md)
+                    sampled = out.token_ids.to(torch.int32).cpu().numpy()
+                    if out.logprobs is not None:
+                        lp = out.logprobs.float().cpu().numpy()
+                else:
+                    spec = sample_with_drafts(self.sampler, logits, drafts, md)
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # honest forward time when nothing samples
             t2 = time.perf_counter()
             sampled = np.zeros(0, dtype=np.int32)
-        batch.update_after_step(inputs, sampled)
+        counts = None
+        if spec is not None:
+            sampled, counts, lp = spec.token_ids, spec.counts, spec.logprobs
+        batch.update_after_step(inputs, sampled, counts)
         t3 = time.perf_counter()
 
         handles = batch.handles[inputs.sample_rows]
@@ -124,6 +138,7 @@ class ModelRunner:
             step_id=so.step_id,
             rank=self.dist.rank,
             req_handles=pack(handles),
+            num_tokens=pack(counts) if counts is not None and (counts != 1).any() else b"",
             sampled_token_ids=pack(sampled),
             logprobs=pack_f32(lp) if lp is not None else b"",
             checksum=tokens_checksum(sampled) if self.config.enable_checksum else None,

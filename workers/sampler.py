@@ -34,6 +34,24 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     need_logprobs: bool = False
 
+    def select(self, rows: np.ndarray) -> SamplingMetadata:
+        """The metadata of ``rows`` only, generators renumbered to the new row order.
+
+        need_logprobs is kept: when any request asked, every sampled token gets a logprob.
+        """
+        gens = self.generators
+        if gens:
+            picked = ((i, gens.get(int(r))) for i, r in enumerate(rows.tolist()))
+            gens = {i: g for i, g in picked if g is not None}
+        return SamplingMetadata(
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            min_p=self.min_p[rows],
+            generators=gens,
+            need_logprobs=self.need_logprobs,
+        )
+
 
 @dataclass
 class SamplerOutput:
@@ -59,18 +77,14 @@ class Sampler:
         greedy = md.temperature <= GREEDY_EPS
         if greedy.all():
             tokens = logits.argmax(dim=-1)
-            lp = _gather_logprobs(logits, tokens) if md.need_logprobs else None
+            lp = gather_logprobs(logits, tokens) if md.need_logprobs else None
             return SamplerOutput(tokens, lp)
 
         rand_rows = np.flatnonzero(~greedy)
-        x = logits[torch.from_numpy(rand_rows).to(self.device)]
-        temp = torch.from_numpy(md.temperature[rand_rows]).to(self.device)
-        x = x / temp.unsqueeze(1)
-        x = _apply_top_k_top_p(x, md.top_k[rand_rows], md.top_p[rand_rows])
-        x = _apply_min_p(x, md.min_p[rand_rows])
+        x = process_logits(logits[torch.from_numpy(rand_rows).to(self.device)], md, rand_rows)
         probs = torch.softmax(x, dim=-1)
         gens = md.generators
-        noise = self._noise([gens.get(i) for i in rand_rows.tolist()], x.shape[1])
+        noise = self.noise([gens.get(i) for i in rand_rows.tolist()], x.shape[1])
         rand_tokens = (probs / noise).argmax(dim=-1)
 
         if len(rand_rows) == n:
@@ -81,12 +95,12 @@ class Sampler:
             tokens[torch.from_numpy(rand_rows).to(self.device)] = rand_tokens
         lp = None
         if md.need_logprobs:
-            lp = _gather_logprobs(logits, tokens)
+            lp = gather_logprobs(logits, tokens)
             idx = torch.from_numpy(rand_rows).to(self.device)
-            lp[idx] = _gather_logprobs(x, rand_tokens)
+            lp[idx] = gather_logprobs(x, rand_tokens)
         return SamplerOutput(tokens, lp)
 
-    def _noise(self, gens: list[torch.Generator | None], vocab: int) -> torch.Tensor:
+    def noise(self, gens: list[torch.Generator | None], vocab: int) -> torch.Tensor:
         """Exp(1) noise, shared-generator rows in one draw, seeded rows from their own."""
         q = torch.empty((len(gens), vocab), dtype=torch.float32, device=self.device)
         shared = [i for i, g in enumerate(gens) if g is None]
@@ -102,8 +116,42 @@ class Sampler:
                     q[i].exponential_(generator=g)
         return q.clamp_min_(_MIN_NOISE)
 
+    def uniforms(self, gens: list[torch.Generator | None], counts: np.ndarray) -> torch.Tensor:
+        """U[0, 1) draws, ``counts[i]`` for row i, flattened in row order.
 
-def _gather_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        Same discipline as ``noise``: shared-generator rows in one draw, then each seeded row
+        from its own generator, so a seeded request's numbers do not depend on its batch.
+        """
+        u = torch.empty(int(counts.sum()), dtype=torch.float32, device=self.device)
+        shared = [g is None for g in gens]
+        if all(shared):
+            return u.uniform_(generator=self.shared_generator)
+        if any(shared):
+            idx = np.flatnonzero(np.repeat(np.array(shared), counts))
+            block = torch.empty(len(idx), dtype=torch.float32, device=self.device)
+            block.uniform_(generator=self.shared_generator)
+            u[torch.from_numpy(idx).to(self.device)] = block
+        start = 0
+        for g, c in zip(gens, counts.tolist(), strict=True):
+            if g is not None and c:
+                u[start : start + c].uniform_(generator=g)
+            start += c
+        return u
+
+
+def process_logits(x: torch.Tensor, md: SamplingMetadata, rows: np.ndarray) -> torch.Tensor:
+    """Temperature, then top-k / top-p, then min-p: the logits random sampling draws from.
+
+    ``x`` holds the float32 logits of ``rows`` (indices into ``md``); masked tokens are -inf.
+    Speculative verification calls this too, so accepted drafts follow the same distribution.
+    """
+    temp = torch.from_numpy(md.temperature[rows]).to(x.device)
+    x = x / temp.unsqueeze(1)
+    x = _apply_top_k_top_p(x, md.top_k[rows], md.top_p[rows])
+    return _apply_min_p(x, md.min_p[rows])
+
+
+def gather_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
