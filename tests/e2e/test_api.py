@@ -52,6 +52,34 @@ def test_health_reports_every_rank(llm: LLM) -> None:
     assert h.steps > 0
 
 
+def test_speculative_sampling_is_reproducible_and_rank_consistent() -> None:
+    """Rejection sampling (temperature > 0) on two ranks: checksums on, so any rank that
+    accepted a different draft would stop the engine; seeded requests repeat exactly."""
+    # dummy:micro's 512-token vocabulary: sampled tokens often recur, so drafts get proposed
+    prompts = [list(range(0, 512, 3)), list(range(1, 512, 2)), [5, 9, 2, 7] * 20]
+    # low temperature: peaked distributions, so drafts are both accepted and rejected
+    params = SamplingParams(max_tokens=24, temperature=0.1, seed=7, ignore_eos=True)
+    try:
+        with LLM(
+            model="dummy:micro",
+            tensor_parallel_size=2,
+            enable_checksum=True,
+            speculative_ngram=3,
+            num_speculative_tokens=3,
+        ) as llm:
+            a = llm.generate(prompts, params, use_tqdm=False, timeout_s=60)
+            b = llm.generate(prompts, params, use_tqdm=False, timeout_s=60)
+            stats = llm.get_stats()
+            assert llm.client is not None and llm.client.dead_reason is None
+    finally:
+        left = wait_no_descendants(10)
+    assert left == []
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 24 for o in a)
+    assert stats["spec_num_draft_tokens"] > 0
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
 def test_smollm2_answers_paris_with_identical_tokens_at_tp1_and_tp2() -> None:
     pytest.importorskip("gguf")
     from workers.model_paths import smollm2_path

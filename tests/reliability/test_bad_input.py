@@ -1,8 +1,8 @@
 """Bad input gets a clear, specific error for that request; everyone else is served normally.
 
-One engine (dummy:micro, TP=1) for the whole module, then one with async scheduling. Every bad request rides in a batch with a good
-one, which must complete untouched. Raw garbage frames on the engine's request socket must be
-dropped without harming the engine.
+One engine (dummy:micro, TP=1) for the whole module, then one with async scheduling. Every bad
+request rides in a batch with a good one, which must complete untouched. Raw garbage frames on
+the engine's request socket must be dropped without harming the engine.
 """
 
 from __future__ import annotations
