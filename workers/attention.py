@@ -2,8 +2,9 @@
 then every query reads its context through its block-table row.
 
 One step may mix prefill chunks (continuing from cached context), prefix-cache hits and decodes.
-Decodes (one new token) are computed together in one batched gather; prefill chunks loop per
-request, which costs little next to their own matmuls.
+Short queries (decodes, and a token plus its speculative drafts) are computed together in one
+batched gather, padded to the longest of them; long prefill chunks loop per request, which costs
+little next to their own matmuls.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 # Use torch's fused scaled_dot_product_attention (same math, inputs upcast to float32 so the
 # softmax is float32 too); False selects the plain matmul/softmax reference path below.
 USE_SDPA = True
+# Requests with at most this many new tokens join the batched path (padded to the longest);
+# draft verification (1 + K tokens) stays there instead of looping request by request.
+MAX_BATCHED_QUERY = 16
 
 
 @dataclass
@@ -116,11 +120,14 @@ class AttentionPlan:
     """Per-step index work shared by every layer: built once per forward, not once per layer."""
 
     num_tokens: int  # real (non-padding) new tokens
-    decode_tok: torch.Tensor | None  # [D] int64 token index of each decode; None: tokens 0..D-1
+    # batched short queries: token index of query j of request d, padded by repeating the
+    # request's last token; None: a pure decode batch, tokens 0..D-1
+    decode_tok: torch.Tensor | None  # [D, Q] int64
     decode_blocks: torch.Tensor | None  # [D, n_blocks] int64
-    decode_allowed: torch.Tensor | None  # [D, 1, n_blocks * block_size] bool
+    decode_allowed: torch.Tensor | None  # [D, Q, n_blocks * block_size] bool
     prefills: list[_Prefill]
     scratch: GatherScratch | None = None
+    decode_valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
 
 
 def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.device,
@@ -131,21 +138,35 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
     seq_lens = meta.seq_lens_np
     num_reqs = len(seq_lens)
     query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-    decode_reqs = np.flatnonzero(query_lens == 1)
-    tok = blocks = allowed = None
+    short = (query_lens >= 1) & (query_lens <= MAX_BATCHED_QUERY)
+    decode_reqs = np.flatnonzero(short)
+    tok = blocks = allowed = valid = None
     if len(decode_reqs):
         n_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
         rows = torch.from_numpy(decode_reqs.astype(np.int64)).to(device)
         blocks = meta.block_table[rows, :n_blocks].long()
         lens = meta.seq_lens[rows].to(torch.int64)
-        allowed = torch.arange(n_blocks * block_size, device=device).unsqueeze(0) < lens[:, None]
-        allowed = allowed.unsqueeze(1)
-        tok_np = qsl[decode_reqs]
+        keys = torch.arange(n_blocks * block_size, device=device)
+        qlens_np = query_lens[decode_reqs]
+        q_max = int(qlens_np.max())
+        if q_max == 1:
+            allowed = (keys.unsqueeze(0) < lens[:, None]).unsqueeze(1)
+            tok_np = qsl[decode_reqs][:, None]
+        else:
+            # query j of request d sits at position len_d - q_d + j and sees keys up to it
+            j = np.arange(q_max)
+            tok_np = qsl[decode_reqs][:, None] + np.minimum(j, qlens_np[:, None] - 1)
+            qlens = torch.from_numpy(qlens_np.astype(np.int64)).to(device)
+            jt = torch.from_numpy(j).to(device)
+            q_pos = lens[:, None] - qlens[:, None] + jt[None, :]
+            allowed = keys[None, None, :] <= q_pos[:, :, None]
+            if not (qlens_np == q_max).all():
+                valid = torch.from_numpy(j[None, :] < qlens_np[:, None]).to(device)
         # Pure decode batches (the steady state) need no gather/scatter of q and out.
-        if not (len(decode_reqs) == num_reqs and tok_np[-1] == num_reqs - 1):
+        if not (q_max == 1 and len(decode_reqs) == num_reqs and tok_np[-1, 0] == num_reqs - 1):
             tok = torch.from_numpy(tok_np.astype(np.int64)).to(device)
     prefills = []
-    for i in np.flatnonzero(query_lens > 1):
+    for i in np.flatnonzero(~short & (query_lens > 0)):
         start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         n_blocks = -(-seq_len // block_size)
         # Query j sits at absolute position seq_len - L + j and sees keys up to that position.
@@ -153,7 +174,7 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
         causal = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
         prefills.append(_Prefill(start, end, meta.block_table[int(i), :n_blocks].long()[None],
                                  seq_len, causal.unsqueeze(0)))
-    return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch)
+    return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch, valid)
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -183,8 +204,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             d = plan.decode_blocks.shape[0]
             out[:d] = attend(q[:d].unsqueeze(1), k, v, plan.decode_allowed, scale).squeeze(1)
         else:
-            qd = q[plan.decode_tok].unsqueeze(1)
-            out[plan.decode_tok] = attend(qd, k, v, plan.decode_allowed, scale).squeeze(1)
+            tok = plan.decode_tok
+            o = attend(q[tok], k, v, plan.decode_allowed, scale)  # [D, Q, H, hd]
+            if plan.decode_valid is None:
+                out[tok.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+            else:  # padded queries repeat a real token: write only the real ones
+                out[tok[plan.decode_valid]] = o[plan.decode_valid]
     for p in plan.prefills:
         k = _gather_context(k_cache, p.blocks, plan.scratch, 0)[:, : p.seq_len]
         v = _gather_context(v_cache, p.blocks, plan.scratch, 1)[:, : p.seq_len]
