@@ -86,7 +86,8 @@ class EngineCore:
         self.inflight: set[str] = set()
         self.steps = 0
         self.timeline = StepTimeline()
-        # async scheduling: published steps whose output has not arrived, oldest first, with
+        # published steps whose output has not arrived (at most one, two with async
+        # scheduling), oldest first, with
         # their timeline stamps (schedule start, scheduled, encoded, published) and frame size
         self.in_flight: deque[tuple[SchedulerOutput, tuple[float, float, float, float], int]]
         self.in_flight = deque()
@@ -161,7 +162,6 @@ class EngineCore:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> None:
-        step = self.step_async if self.config.async_scheduling else self.step
         while not self.shutdown_requested:
             busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
             self._poll_frontend(0 if busy else int(PING_INTERVAL_S * 1000))
@@ -171,40 +171,19 @@ class EngineCore:
                 break
             self._flush(self.scheduler.take_outputs())
             if self.scheduler.has_unfinished_requests() or self.in_flight:
-                step()
+                self.step()
 
     def step(self) -> None:
-        tl = self.timeline
-        t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        frame = self.encoder.encode(so)
-        t2 = time.perf_counter()
-        self.pub.send(frame, copy=False)
-        t3 = time.perf_counter()
-        out = self._wait_for_output(so.step_id)
-        t4 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(so, out)
-        if self.config.debug_invariants:
-            self.scheduler.check_invariants()
-        t5 = time.perf_counter()
-        self._flush(outputs)
-        self._flush(self.scheduler.take_outputs())
-        self.steps += 1
-        if tl.enabled:
-            tl.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, len(frame))
-        if so.total_num_scheduled_tokens == 0 and not outputs:
-            # Nothing could run (e.g. KV full, nothing to preempt): wait for input, don't spin.
-            self._poll_frontend(int(PING_INTERVAL_S * 1000))
+        """Publish the next step if fewer than the allowed number are in flight, then finish
+        the oldest one.
 
-    def step_async(self) -> None:
-        """Publish the next step if fewer than two are in flight, then finish the oldest.
-
-        Step k+1 is planned before step k's tokens are known, so its work (and the broadcast)
-        overlaps step k's forward pass; the workers find it queued when they finish step k.
+        Synchronous: one step at a time. Async: two, so step k+1 is planned before step k's
+        tokens are known and its work (and the broadcast) overlaps step k's forward pass; the
+        workers find it queued when they finish step k.
         """
+        depth = 2 if self.config.async_scheduling else 1
         in_flight = self.in_flight
-        if len(in_flight) < 2 and self.scheduler.has_unfinished_requests():
+        if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             so = self.scheduler.schedule()
             t1 = time.perf_counter()
@@ -212,7 +191,7 @@ class EngineCore:
             t2 = time.perf_counter()
             self.pub.send(frame, copy=False)
             in_flight.append((so, (t0, t1, t2, time.perf_counter()), len(frame)))
-            if len(in_flight) < 2 and self.scheduler.has_unfinished_requests():
+            if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
                 return  # the first step of a burst: plan the next one before waiting
         so, (t0, t1, t2, t3), nbytes = in_flight.popleft()
         out = self._wait_for_output(so.step_id)
@@ -227,6 +206,7 @@ class EngineCore:
         if self.timeline.enabled:
             self.timeline.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, nbytes)
         if so.total_num_scheduled_tokens == 0 and not outputs and not in_flight:
+            # Nothing could run (e.g. KV full, nothing to preempt): wait for input, don't spin.
             self._poll_frontend(int(PING_INTERVAL_S * 1000))
 
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:

@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from protocol.codec import pack, unpack, unpack_f32
-from protocol.config import EngineConfig
 from protocol.messages import (
     CachedRequestData,
     NewRequestData,
@@ -16,29 +14,12 @@ from protocol.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from workers.distributed import DistEnv
+from tests.helpers.runner import BS, make_runner
 from workers.input_batch import StateMismatchError
 from workers.model_runner import ModelRunner
 
-BS = 4
 PROMPT = [(7 * i + 3) % 500 for i in range(19)]
 PROMPT2 = [(11 * i + 5) % 500 for i in range(10)]
-
-
-def make_runner(**kw) -> ModelRunner:
-    cfg = EngineConfig(
-        model="dummy:micro",
-        block_size=BS,
-        max_num_seqs=4,
-        max_model_len=128,
-        num_gpu_blocks_override=200,
-        **kw,
-    )
-    dist = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    r = ModelRunner(cfg, dist)
-    r.load_model()
-    assert r.init_kv_cache() == 200
-    return r
 
 
 @dataclass

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from protocol.codec import pack, unpack, unpack_f32
-from protocol.config import EngineConfig
 from protocol.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -20,13 +19,12 @@ from protocol.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from workers.distributed import DistEnv
+from tests.helpers.runner import BS, make_runner
 from workers.input_batch import StateMismatchError
 from workers.model_runner import ModelRunner
 from workers.sampler import Sampler, SamplingMetadata, make_generator
 from workers.spec_decode import DraftLayout, SpecOutput, rejection_sample
 
-BS = 4
 VOCAB = 512  # dummy:micro
 PROMPT = [(7 * i + 3) % 500 for i in range(19)]
 PROMPT2 = [(11 * i + 5) % 500 for i in range(10)]
@@ -36,22 +34,6 @@ GREEDY = SamplingParams(temperature=0.0)
 # runs (draws numbers, applies top-k) yet must reproduce greedy tokens exactly.
 ONE_HOT_RANDOM = SamplingParams(temperature=1.0, top_k=1, logprobs=True)
 N_REF = 24
-
-
-def make_runner(max_model_len: int = 128, **kw: object) -> ModelRunner:
-    cfg = EngineConfig(
-        model="dummy:micro",
-        block_size=BS,
-        max_num_seqs=4,
-        max_model_len=max_model_len,
-        num_gpu_blocks_override=200,
-        **kw,
-    )
-    dist = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    r = ModelRunner(cfg, dist)
-    r.load_model()
-    r.init_kv_cache()
-    return r
 
 
 @dataclass
