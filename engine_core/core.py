@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from collections import deque
@@ -56,6 +57,11 @@ PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
 STARTUP_TIMEOUT_S = float(os.environ.get("TANDEM_STARTUP_TIMEOUT", "600"))
 CPU_MAX_BATCHED_TOKENS = 2048
 GPU_MAX_BATCHED_TOKENS = 8192
+# How long a worker error waits to see whether a peer rank died (the usual cause of a broken
+# collective): a SIGKILLed rank closes its sockets a moment before it becomes a zombie.
+PEER_DEATH_GRACE_S = 0.5
+# Substrings of gloo/NCCL errors that mean the other end of a collective went away.
+BROKEN_COLLECTIVE_MARKERS = ("by peer", "Connection reset", "Connection closed", "remote process")
 
 
 class EngineFatal(RuntimeError):
@@ -94,6 +100,7 @@ class EngineCore:
         self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
         self.parent_pid = os.getppid()
+        self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks on this host
 
     # ------------------------------------------------------------------ start-up
 
@@ -128,6 +135,9 @@ class EngineCore:
                 ready.add(msg.rank)
             elif isinstance(msg, WorkerError):
                 raise EngineFatal(self._describe_error(msg))
+        # Ranks on this host, so a broken collective can be traced to the rank that died.
+        here = socket.gethostname()
+        self.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         h0 = hellos[0]
         self.num_blocks = min(h.num_blocks for h in hellos.values())
         self.vocab_size = h0.vocab_size
@@ -394,12 +404,30 @@ class EngineCore:
                 "collective stalls its peers too"
             )
 
-    @staticmethod
-    def _describe_error(msg: WorkerError) -> str:
+    def _describe_error(self, msg: WorkerError) -> str:
         text = f"worker rank {msg.rank} failed: {msg.message}"
         if msg.traceback:
             text += "\n" + msg.traceback
+        # A rank killed mid-collective shows up first as its peer's "connection closed" error;
+        # name the rank that died, since that is the root cause.
+        broken = any(m in msg.message for m in BROKEN_COLLECTIVE_MARKERS)
+        gone = self._gone_peers(msg.rank) if broken else ""
+        if gone:
+            text = f"{gone}; {text}"
         return text
+
+    def _gone_peers(self, reporter: int) -> str:
+        """'worker rank R (pid P) died' for local ranks that are gone, polled briefly."""
+        deadline = time.monotonic() + PEER_DEATH_GRACE_S
+        while True:
+            dead = [
+                f"worker rank {r} (pid {pid}) died"
+                for r, pid in sorted(self.local_pids.items())
+                if r != reporter and not _process_running(pid)
+            ]
+            if dead or time.monotonic() >= deadline:
+                return ", ".join(dead)
+            time.sleep(0.02)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -425,6 +453,25 @@ class EngineCore:
         for s in (self.req_sock, self.pub, self.results):
             s.close(0)
         self.out_sock.close(1000)
+
+
+def _process_running(pid: int) -> bool:
+    """False when `pid` is gone or a zombie (killed, not yet reaped by its launcher)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        # No /proc (not Linux): fall back to signal 0, which cannot see zombies.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def main() -> int:
