@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workers import cpu_ops
+
 # Use torch's fused scaled_dot_product_attention (same math, inputs upcast to float32 so the
 # softmax is float32 too); False selects the plain matmul/softmax reference path below.
 USE_SDPA = True
@@ -128,18 +130,25 @@ class AttentionPlan:
     prefills: list[_Prefill]
     scratch: GatherScratch | None = None
     decode_valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
+    kernel_short_queries: bool = False  # the CPU kernel computes the short queries
+
+
+def _kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return cpu_ops.active(q) and q.dtype == k_cache.dtype
 
 
 def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.device,
-                   scratch: GatherScratch | None = None) -> AttentionPlan:
-    """Split the batch into decodes (one new token: batched) and prefill chunks (one by one),
-    using only the host copies, so no device synchronisation."""
+                   scratch: GatherScratch | None = None,
+                   short_queries: bool = True) -> AttentionPlan:
+    """Split the batch into short queries (decodes, drafts: batched) and prefill chunks (one
+    by one), using only the host copies, so no device synchronisation. short_queries=False:
+    the CPU kernel takes the short ones, plan only the prefill chunks."""
     qsl = meta.query_start_loc_np
     seq_lens = meta.seq_lens_np
     num_reqs = len(seq_lens)
     query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
     short = (query_lens >= 1) & (query_lens <= MAX_BATCHED_QUERY)
-    decode_reqs = np.flatnonzero(short)
+    decode_reqs = np.flatnonzero(short) if short_queries else np.zeros(0, dtype=np.int64)
     tok = blocks = allowed = valid = None
     if len(decode_reqs):
         n_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
@@ -174,7 +183,8 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
         causal = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
         prefills.append(_Prefill(start, end, meta.block_table[int(i), :n_blocks].long()[None],
                                  seq_len, causal.unsqueeze(0)))
-    return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch, valid)
+    return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch, valid,
+                         kernel_short_queries=not short_queries and bool(short.any()))
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -192,10 +202,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     plan: AttentionPlan | None = None) -> torch.Tensor:
     """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd]."""
     if plan is None:
-        plan = plan_attention(meta, k_cache.shape[1], q.device)
+        plan = plan_attention(meta, k_cache.shape[1], q.device,
+                              short_queries=not _kernel_applies(q, k_cache))
     out = torch.empty_like(q)
     if q.shape[0] > plan.num_tokens:  # padding tokens (fixed-size batches) belong to nobody
         out[plan.num_tokens :] = 0
+    if plan.kernel_short_queries:
+        # Decodes and draft verification read their context straight from the paged cache:
+        # no gather, no dtype copies. Long prefill chunks stay on the SDPA path below.
+        cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                                meta.query_start_loc, len(meta.seq_lens_np), scale,
+                                max_query_len=MAX_BATCHED_QUERY)
     attend = _attend_sdpa if USE_SDPA else _attend
     if plan.decode_blocks is not None:
         k = _gather_context(k_cache, plan.decode_blocks, plan.scratch, 0)  # [D, S, KVH, hd]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import cpu_ops
 from workers.distributed import tp_all_gather, tp_all_reduce, tp_world_size
 
 
@@ -32,6 +33,19 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.active(x) and x.dim() == 2:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return self.forward_torch(x)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, norm(h + delta)); the kernel path adds in place, one pass for both."""
+        if cpu_ops.active(h) and h.dim() == 2 and h.is_contiguous():
+            return h, cpu_ops.rms_norm(h, self.weight, self.eps, residual=delta)
+        h = h + delta
+        return h, self.forward_torch(h)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 so bf16/fp16 runs do not lose the small variances.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -84,11 +98,16 @@ class ParallelLMHead(nn.Module):
         torch.argmax over the gathered logits would.
         """
         weight = self.tied.weight if self.tied is not None else self.weight
-        logits = F.linear(hidden, weight).float()
-        pad = self.start + self.rows - self.vocab  # padding rows at the end of the last shard
-        if pad > 0:
-            logits[:, self.rows - pad :] = float("-inf")
-        best, idx = logits.max(dim=-1)
+        pad = max(0, self.start + self.rows - self.vocab)  # padding rows of the last shard
+        logits = F.linear(hidden, weight)
+        if cpu_ops.active(logits):
+            # One pass over the model-dtype logits: no float32 copy, no masking pass.
+            best, idx = cpu_ops.argmax(logits, cols=max(0, self.rows - pad))
+        else:
+            logits = logits.float()
+            if pad > 0:
+                logits[:, self.rows - pad :] = float("-inf")
+            best, idx = logits.max(dim=-1)
         if tp_world_size() == 1:
             return idx
         # Ids < 2**24 are exact in float32, so (max, id) travel in one small gather.
@@ -162,7 +181,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
+    def rotate_leading_heads_(self, positions: torch.Tensor, x: torch.Tensor, heads: int,
+                              head_dim: int) -> bool:
+        """Rotate the first `heads` heads of each row of x [T, >= heads * hd] in place with the
+        CPU kernel; False (nothing done) when the kernel does not apply."""
+        if not (cpu_ops.active(x) and x.stride(-1) == 1 and positions.dtype == torch.int64):
+            return False
+        cpu_ops.rotary_(x, heads, head_dim, positions.contiguous(), self.cos, self.sin)
+        return True
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_torch(positions, x)
+
+    def forward_torch(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] -> rotated, same dtype."""
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, hd/2]
         sin = self.sin[positions].unsqueeze(1)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import cpu_ops
 from workers.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -94,10 +95,14 @@ class LlamaAttention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         hd, lay = self.head_dim, self.lay
-        q, k, v = self.qkv_proj(x).split(
-            [lay.q_heads * hd, lay.kv_heads * hd, lay.kv_heads * hd], dim=-1)
-        q = self.rope(positions, q.view(-1, lay.q_heads, hd))
-        k = self.rope(positions, k.view(-1, lay.kv_heads, hd))
+        qkv = self.qkv_proj(x)
+        # q and k heads lead each row of the fused projection: rotate them in place when the
+        # CPU kernel applies, then q/k/v are views.
+        rotated = self.rope.rotate_leading_heads_(positions, qkv, lay.q_heads + lay.kv_heads, hd)
+        q, k, v = qkv.split([lay.q_heads * hd, lay.kv_heads * hd, lay.kv_heads * hd], dim=-1)
+        q, k = q.view(-1, lay.q_heads, hd), k.view(-1, lay.kv_heads, hd)
+        if not rotated:
+            q, k = self.rope(positions, q), self.rope(positions, k)
         write_kv(k, v.view(-1, lay.kv_heads, hd), self.k_cache, self.v_cache, meta.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, plan)
         return self.o_proj(out.view(-1, lay.q_heads * hd))
@@ -129,7 +134,10 @@ class LlamaMLP(nn.Module):
                                            device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.active(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -150,9 +158,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, lay, tp_rank, dtype, device)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                plan: AttentionPlan) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                plan: AttentionPlan, delta: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream h and the previous layer's MLP output `delta`, not yet added (the
+        add is fused into this layer's first norm) -> (h, this layer's MLP output)."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add_and_norm(h, delta)
+        h, x = self.post_attention_layernorm.add_and_norm(
+            h, self.self_attn(x, positions, meta, plan))
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,11 +203,15 @@ class LlamaForCausalLM(nn.Module):
         attn0 = self.layers[0].self_attn
         if attn0.k_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
-        plan = plan_attention(meta, attn0.k_cache.shape[1], self.device, self.gather_scratch)
         h = self.embed_tokens(input_ids)
+        plan = plan_attention(meta, attn0.k_cache.shape[1], self.device, self.gather_scratch,
+                              short_queries=not cpu_ops.active(attn0.k_cache))
+        delta = None
         for layer in self.layers:
-            h = layer(h, positions, meta, plan)
-        return self.norm(h)
+            h, delta = layer(h, positions, meta, plan, delta)
+        if delta is None:  # no layers
+            return self.norm(h)
+        return self.norm.add_and_norm(h, delta)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

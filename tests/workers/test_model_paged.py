@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.paged import Seq, run_step
-from workers import attention
+from workers import attention, cpu_ops
 from workers.loader import load_model
 
 TOL = 1e-4  # fp32: different matmul shapes round differently
@@ -18,10 +18,14 @@ def model():
     return m
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["sdpa", "reference"])
+@pytest.fixture(autouse=True, params=["kernels", "sdpa", "reference"])
 def attention_path(request, monkeypatch):
-    """Every test runs on both the fused SDPA path and the plain matmul/softmax path."""
-    monkeypatch.setattr(attention, "USE_SDPA", request.param)
+    """Every test runs on the CPU kernels (SDPA for long prefill chunks), on torch's fused SDPA
+    path alone, and on the plain matmul/softmax path."""
+    if request.param == "kernels" and cpu_ops.ops() is None:
+        pytest.skip("no C++ compiler: kernels off")
+    monkeypatch.setattr(cpu_ops, "ENABLED", request.param == "kernels")
+    monkeypatch.setattr(attention, "USE_SDPA", request.param != "reference")
 
 
 def _prompt(n: int, seed: int) -> list[int]:

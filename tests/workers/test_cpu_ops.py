@@ -1,0 +1,124 @@
+"""CPU kernels (workers/csrc/cpu_ops.cpp) against the torch path they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.paged import Seq, build_step
+from workers import attention, cpu_ops
+from workers.layers import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="no C++ compiler: kernels off")
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16 inputs are identical on both paths; the kernel accumulates in float32 in another order.
+ATOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+def _mixed_step(block_size: int):
+    """One step holding a fresh prefill, a chunk continuing cached context, decodes, a request
+    verifying 4 drafts and a prefix-cache hit, with scattered block ids."""
+    g = torch.Generator().manual_seed(block_size)
+    seqs, new = [], []
+    next_block = 1
+    for total, computed in [(37, 0), (50, 21), (19, 18), (70, 69), (33, 28), (9, 8), (40, 16)]:
+        n_blocks = -(-total // block_size)
+        blocks = list(range(next_block, next_block + n_blocks))[::-1]
+        next_block += n_blocks
+        tokens = torch.randint(0, 100, (total,), generator=g).tolist()
+        seqs.append(Seq(tokens, blocks, computed))
+        new.append(total - computed)
+    _, _, meta = build_step(seqs, new, block_size)
+    return meta, next_block
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (6, 6), (6, 1)])
+def test_paged_attention_matches_torch(dtype, block_size, heads, kv_heads):
+    meta, num_blocks = _mixed_step(block_size)
+    hd = 32
+    g = torch.Generator().manual_seed(0)
+    shape = (num_blocks, block_size, kv_heads, hd)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    t = int(meta.query_start_loc_np[-1])
+    q = torch.randn(t, heads, hd, generator=g).to(dtype)
+    ref = attention.paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                            meta.query_start_loc, len(meta.seq_lens_np), hd**-0.5)
+    assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
+
+
+def test_paged_attention_reads_strided_queries():
+    """q as a view into the fused qkv projection output (rows wider than heads * hd)."""
+    meta, num_blocks = _mixed_step(4)
+    hd, heads, kvh = 16, 4, 2
+    k_cache = torch.randn(num_blocks, 4, kvh, hd)
+    v_cache = torch.randn(num_blocks, 4, kvh, hd)
+    t = int(meta.query_start_loc_np[-1])
+    qkv = torch.randn(t, (heads + 2 * kvh) * hd)
+    q = qkv[:, : heads * hd].view(t, heads, hd)
+    ref = attention.paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.25)
+    out = torch.empty(t, heads, hd)
+    cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                            meta.query_start_loc, len(meta.seq_lens_np), 0.25)
+    assert (out - ref).abs().max().item() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_residual(dtype):
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, 1e-5, dtype, CPU)
+    norm.weight.copy_(torch.randn(96, generator=g))
+    x = torch.randn(13, 96, generator=g).to(dtype)
+    delta = torch.randn(13, 96, generator=g).to(dtype)
+    ref = norm.forward_torch(x)
+    assert (cpu_ops.rms_norm(x.clone(), norm.weight, 1e-5).float() - ref.float()).abs().max() < 1e-5
+    h = x.clone()
+    got = cpu_ops.rms_norm(h, norm.weight, 1e-5, residual=delta)
+    assert torch.equal(h, x + delta)  # the residual stream is updated in place
+    assert (got.float() - norm.forward_torch(x + delta).float()).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_leading_heads(dtype):
+    rope = RotaryEmbedding(32, 256, 10000.0, None, CPU)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(11, 7 * 32, generator=g).to(dtype)  # 5 heads rotated, 2 left alone
+    pos = torch.randint(0, 256, (11,), generator=g)
+    ref = rope.forward_torch(pos, qkv[:, : 5 * 32].reshape(11, 5, 32))
+    got = qkv.clone()
+    cpu_ops.rotary_(got, 5, 32, pos, rope.cos, rope.sin)
+    assert torch.equal(got[:, 5 * 32 :], qkv[:, 5 * 32 :])
+    assert (got[:, : 5 * 32].reshape(11, 5, 32).float() - ref.float()).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = (torch.randn(9, 2 * 50) * 8).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -1e-3])
+    ref = F.silu(x[:, :50].float()) * x[:, 50:].float()
+    got = cpu_ops.silu_and_mul(x).float()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((got - ref).abs() <= tol * (1 + ref.abs())).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_takes_the_lowest_tied_index_within_cols(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1000, generator=g).to(dtype)
+    x[1, 7] = x[1, 600] = 50.0  # tie: lowest index wins, as torch.argmax
+    x[2, 999] = 60.0  # past `cols`: ignored
+    x[3, :] = -1.0  # all equal
+    val, idx = cpu_ops.argmax(x, cols=990)
+    ref_val, ref_idx = x[:, :990].float().max(dim=-1)
+    assert idx.tolist() == x[:, :990].float().argmax(-1).tolist()
+    assert idx[1] == 7 and idx[3] == 0
+    assert torch.equal(val, ref_val)
+    assert np.array_equal(idx.numpy(), ref_idx.numpy())

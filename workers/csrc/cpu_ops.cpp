@@ -1,0 +1,314 @@
+// CPU kernels for the worker's forward pass, called through ctypes (workers/cpu_ops.py).
+//
+// Why C++: on CPU the model's small ops (decode attention over a paged cache, RMSNorm, rotary,
+// SiLU-and-mul, argmax) cost more in torch's per-op overhead, dtype copies and context gathers
+// than in arithmetic. Each kernel here reads its inputs once, computes in float32 and writes its
+// output once. Plain C ABI on raw pointers: no torch headers, so the build takes seconds.
+//
+// dtype codes: 0 = float32, 1 = bfloat16. bf16 is the top half of a float32; results are rounded
+// to nearest even, as torch rounds.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+// exp(x) for x <= 0 in a form the compiler vectorizes: 2^n * e^r with |r| <= ln2/2 and a
+// degree-7 Taylor polynomial (relative error < 1e-8, below float32 rounding).
+#pragma omp declare simd notinbranch
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// One query token against its context, for the `group` query heads that share KV head `kvh`.
+// Keys 0..n_keys-1 are read through the request's block-table row.
+template <typename T>
+void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_head,
+                const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t n_keys,
+                int64_t block_size, int64_t kv_heads, int64_t kvh, int64_t group, int64_t hd,
+                float scale, std::vector<float>& scores, std::vector<float>& qf,
+                std::vector<float>& acc) {
+  scores.resize(group * n_keys);
+  qf.resize(group * hd);
+  acc.assign(group * hd, 0.0f);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = load(q + g * q_stride_head, d) * scale;
+  const int64_t slot_stride = kv_heads * hd;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const int64_t slot = static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
+    const T* k = k_cache + slot * slot_stride + kvh * hd;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qq = qf.data() + g * hd;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < hd; ++d) s += qq[d] * load(k, d);
+      scores[g * n_keys + j] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores.data() + g * n_keys;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n_keys; ++j) m = sc[j] > m ? sc[j] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n_keys; ++j) {
+      sc[j] = exp_nonpos(sc[j] - m);
+      sum += sc[j];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n_keys; ++j) sc[j] *= inv;
+  }
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const int64_t slot = static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
+    const T* v = v_cache + slot * slot_stride + kvh * hd;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * n_keys + j];
+      float* a = acc.data() + g * hd;
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) a[d] += p * load(v, d);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < hd; ++d) store(out + g * out_stride_head, d, acc[g * hd + d]);
+}
+
+template <typename T>
+void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_stride_tok,
+                          const T* k_cache, const T* v_cache, const int32_t* block_table,
+                          int64_t bt_stride, const int32_t* seq_lens,
+                          const int32_t* query_start_loc, int64_t num_reqs, int64_t num_heads,
+                          int64_t kv_heads, int64_t hd, int64_t block_size, float scale,
+                          int64_t max_query_len) {
+  const int64_t num_tokens = query_start_loc[num_reqs];
+  const int64_t group = num_heads / kv_heads;
+  const int64_t items = num_tokens * kv_heads;
+#pragma omp parallel
+  {
+    std::vector<float> scores, qf, acc;
+    int64_t r = 0;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t t = it / kv_heads, kvh = it % kv_heads;
+      // Items come in token order within a thread: advance to this token's request.
+      if (t < query_start_loc[r]) r = 0;
+      while (query_start_loc[r + 1] <= t) ++r;
+      const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+      if (q_len > max_query_len) continue;  // long prefill chunks are the caller's
+      // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it.
+      const int64_t n_keys = seq_lens[r] - q_len + (t - query_start_loc[r]) + 1;
+      attend_one(out + t * out_stride_tok + kvh * group * hd, hd,
+                 q + t * q_stride_tok + kvh * group * hd, hd, k_cache, v_cache,
+                 block_table + r * bt_stride, n_keys, block_size, kv_heads, kvh, group, hd,
+                 scale, scores, qf, acc);
+    }
+  }
+}
+
+template <typename T>
+void rms_norm_impl(T* out, int64_t out_stride, T* x, int64_t x_stride, const T* residual_in,
+                   int64_t res_stride, const T* weight, int64_t n, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    T* xi = x + i * x_stride;
+    if (residual_in != nullptr) {
+      // x += residual, rounded to x's dtype first (as the unfused `h = h + delta` does).
+      const T* ri = residual_in + i * res_stride;
+      for (int64_t d = 0; d < dim; ++d) store(xi, d, load(xi, d) + load(ri, d));
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < dim; ++d) {
+      const float v = load(xi, d);
+      ss += v * v;
+    }
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    T* oi = out + i * out_stride;
+    for (int64_t d = 0; d < dim; ++d) {
+      // normalized value rounded to the model dtype, then scaled by the weight (HF's order)
+      T normed;
+      store(&normed, 0, load(xi, d) * r);
+      store(oi, d, load(weight, d) * load(&normed, 0));
+    }
+  }
+}
+
+// Rotate-half rotary embedding in place on `heads` consecutive heads of each token's row.
+template <typename T>
+void rotary_impl(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
+                 const int64_t* positions, const float* cos, const float* sin) {
+  const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* c = cos + positions[i] * half;
+    const float* s = sin + positions[i] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* p = x + i * x_stride + h * hd;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = load(p, d), b = load(p, d + half);
+        store(p, d, a * c[d] - b * s[d]);
+        store(p, d + half, b * c[d] + a * s[d]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void silu_and_mul_impl(T* out, const T* x, int64_t n, int64_t inter) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* g = x + i * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + i * inter;
+#pragma omp simd
+    for (int64_t d = 0; d < inter; ++d) {
+      const float a = load(g, d);
+      // silu(a) = a / (1 + e^-a); e^-|a| keeps the exponent argument non-positive.
+      const float e = exp_nonpos(-std::fabs(a));
+      const float sig = a >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+      store(o, d, a * sig * load(u, d));
+    }
+  }
+}
+
+template <typename T>
+void argmax_impl(int64_t* idx, float* val, const T* x, int64_t x_stride, int64_t n,
+                 int64_t cols) {
+  constexpr int64_t kChunk = 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = x + i * x_stride;
+    // Vectorized max per chunk; only the first chunk holding the overall max is rescanned.
+    float m = -INFINITY;
+    int64_t best_chunk = 0;
+    for (int64_t c = 0; c < cols; c += kChunk) {
+      const int64_t end = c + kChunk < cols ? c + kChunk : cols;
+      float cm = -INFINITY;
+#pragma omp simd reduction(max : cm)
+      for (int64_t j = c; j < end; ++j) {
+        const float v = load(row, j);
+        cm = v > cm ? v : cm;
+      }
+      if (cm > m) {
+        m = cm;
+        best_chunk = c;
+      }
+    }
+    int64_t best = best_chunk;
+    for (int64_t j = best_chunk; j < cols; ++j) {
+      if (load(row, j) == m) {  // first (lowest) index holding the max, as torch.argmax
+        best = j;
+        break;
+      }
+    }
+    idx[i] = best;
+    val[i] = m;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tandem_num_threads() { return omp_get_max_threads(); }
+
+void tandem_set_num_threads(int n) { omp_set_num_threads(n); }
+
+void tandem_paged_attention(int dtype, void* out, int64_t out_stride_tok, const void* q,
+                            int64_t q_stride_tok, const void* k_cache, const void* v_cache,
+                            const int32_t* block_table, int64_t bt_stride,
+                            const int32_t* seq_lens, const int32_t* query_start_loc,
+                            int64_t num_reqs, int64_t num_heads, int64_t kv_heads, int64_t hd,
+                            int64_t block_size, float scale, int64_t max_query_len) {
+  if (dtype == 0)
+    paged_attention_impl(static_cast<float*>(out), out_stride_tok, static_cast<const float*>(q),
+                         q_stride_tok, static_cast<const float*>(k_cache),
+                         static_cast<const float*>(v_cache), block_table, bt_stride, seq_lens,
+                         query_start_loc, num_reqs, num_heads, kv_heads, hd, block_size, scale,
+                         max_query_len);
+  else
+    paged_attention_impl(static_cast<uint16_t*>(out), out_stride_tok,
+                         static_cast<const uint16_t*>(q), q_stride_tok,
+                         static_cast<const uint16_t*>(k_cache),
+                         static_cast<const uint16_t*>(v_cache), block_table, bt_stride, seq_lens,
+                         query_start_loc, num_reqs, num_heads, kv_heads, hd, block_size, scale,
+                         max_query_len);
+}
+
+void tandem_rms_norm(int dtype, void* out, int64_t out_stride, void* x, int64_t x_stride,
+                     const void* residual_in, int64_t res_stride, const void* weight, int64_t n,
+                     int64_t dim, float eps) {
+  if (dtype == 0)
+    rms_norm_impl(static_cast<float*>(out), out_stride, static_cast<float*>(x), x_stride,
+                  static_cast<const float*>(residual_in), res_stride,
+                  static_cast<const float*>(weight), n, dim, eps);
+  else
+    rms_norm_impl(static_cast<uint16_t*>(out), out_stride, static_cast<uint16_t*>(x), x_stride,
+                  static_cast<const uint16_t*>(residual_in), res_stride,
+                  static_cast<const uint16_t*>(weight), n, dim, eps);
+}
+
+void tandem_rotary(int dtype, void* x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
+                   const int64_t* positions, const float* cos, const float* sin) {
+  if (dtype == 0)
+    rotary_impl(static_cast<float*>(x), x_stride, n, heads, hd, positions, cos, sin);
+  else
+    rotary_impl(static_cast<uint16_t*>(x), x_stride, n, heads, hd, positions, cos, sin);
+}
+
+void tandem_silu_and_mul(int dtype, void* out, const void* x, int64_t n, int64_t inter) {
+  if (dtype == 0)
+    silu_and_mul_impl(static_cast<float*>(out), static_cast<const float*>(x), n, inter);
+  else
+    silu_and_mul_impl(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), n, inter);
+}
+
+void tandem_argmax(int dtype, int64_t* idx, float* val, const void* x, int64_t x_stride,
+                   int64_t n, int64_t cols) {
+  if (dtype == 0)
+    argmax_impl(idx, val, static_cast<const float*>(x), x_stride, n, cols);
+  else
+    argmax_impl(idx, val, static_cast<const uint16_t*>(x), x_stride, n, cols);
+}
+
+}  // extern "C"
