@@ -41,6 +41,9 @@ _SIGNATURES: dict[str, list] = {
     "tandem_rotary": [_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "tandem_silu_and_mul": [_int, _ptr, _ptr, _i64, _i64],
     "tandem_argmax": [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "tandem_shm_post": [_ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_shm_wait": [_ptr, _i64, _int, _i64, _i64],
+    "tandem_shm_sum": [_int, _ptr, _ptr, _i64, _int, _i64],
     "tandem_set_num_threads": [_int],
     "tandem_num_threads": [],
 }
@@ -115,9 +118,13 @@ def ops() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = _int if name == "tandem_num_threads" else None
+            fn.restype = _int if name in ("tandem_num_threads", "tandem_shm_wait") else None
         _lib = lib
         return _lib
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    return _DTYPE_CODES.get(dtype)
 
 
 def _code(t: torch.Tensor) -> int:

@@ -15,6 +15,10 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+# Shared-memory collectives between the CPU ranks of one host (workers/shm_comm.py), set up by
+# init_distributed; None: torch.distributed (gloo / NCCL) carries them.
+_shm = None
+
 
 @dataclass
 class DistEnv:
@@ -61,8 +65,32 @@ def init_distributed(device: str = "auto", timeout_s: float = 60) -> DistEnv:
         )
     if dist.is_initialized():
         backend = str(dist.get_backend())
+        if backend == "gloo":
+            _setup_shm(rank, world_size)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev,
                    backend=backend)
+
+
+def _setup_shm(rank: int, world_size: int) -> None:
+    """Use shared memory for the TP collectives when every rank is on this host (collective:
+    every rank takes the same decision, since the inputs are all-gathered)."""
+    global _shm
+    from workers import cpu_ops, shm_comm
+
+    wanted = os.environ.get("TANDEM_SHM_COLLECTIVES", "1") != "0"
+    able = [bool(wanted and cpu_ops.ops() is not None)] * world_size
+    dist.all_gather_object(able, able[0])
+    if world_size > 1 and all(able) and shm_comm.same_host_group(world_size):
+        _shm = shm_comm.ShmCommunicator.create_for_group(rank, world_size)
+        if rank == 0:
+            logger.info("TP collectives over shared memory (%d ranks on one host)", world_size)
+
+
+def close_shm() -> None:
+    global _shm
+    if _shm is not None:
+        _shm.close()
+        _shm = None
 
 
 def _world() -> int:
@@ -76,6 +104,8 @@ def tp_world_size() -> int:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the TP ranks (in place); a no-op at world size 1."""
     if _world() > 1:
+        if _shm is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+            return _shm.all_reduce(x)
         dist.all_reduce(x)
     return x
 
@@ -86,6 +116,15 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if world == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x)
+    if _shm is not None and x.numel() * x.element_size() <= shm_comm_slot_bytes():
+        parts = _shm.all_gather(x)
+    else:
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
+
+
+def shm_comm_slot_bytes() -> int:
+    from workers.shm_comm import SLOT_BYTES
+
+    return SLOT_BYTES

@@ -21,6 +21,32 @@ def pad_to_multiple(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a CPU linear weight [out, in], or None where it does not apply.
+
+    Reordered once after loading, so no matmul re-packs the weight: measured 1.1-1.6x faster
+    bf16 linears at decode batch sizes on CPU (5.7x for one token through the LM head).
+    """
+    if not (cpu_ops.ENABLED and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
+        return None
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -84,10 +110,14 @@ class ParallelLMHead(nn.Module):
         # Tied embeddings share the embedding's shard (same vocab split), nothing to load.
         self.tied = embedding
         self.weight = None if embedding is not None else _param((self.rows, hidden), dtype, device)
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepack(self.tied.weight if self.tied is not None else self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
-        logits = F.linear(hidden, weight).float()
+        logits = linear(hidden, weight, self.packed).float()
         return tp_all_gather(logits, dim=-1)[..., : self.vocab]
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -99,7 +129,7 @@ class ParallelLMHead(nn.Module):
         """
         weight = self.tied.weight if self.tied is not None else self.weight
         pad = max(0, self.start + self.rows - self.vocab)  # padding rows of the last shard
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight, self.packed)
         if cpu_ops.active(logits):
             # One pass over the model-dtype logits: no float32 copy, no masking pass.
             best, idx = cpu_ops.argmax(logits, cols=max(0, self.rows - pad))
@@ -125,9 +155,13 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = _param((out_per_rank, in_features), dtype, device)
         self.bias = _param((out_per_rank,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -139,9 +173,13 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, in_per_rank), dtype, device)
         # The bias is added once, after the reduce, so it is not counted tp_size times.
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self.weight, self.packed))
         return y + self.bias if self.bias is not None else y
 
 

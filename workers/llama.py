@@ -235,6 +235,14 @@ class LlamaForCausalLM(nn.Module):
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.no_grad()
+    def prepack_weights(self) -> None:
+        """Reorder the linear weights for the CPU matmul library; call once, after loading
+        (later in-place weight edits would not reach the packed copies)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "prepack"):
+                m.prepack()
+
+    @torch.no_grad()
     def load_weights(self, src: WeightSource) -> None:
         """Fill this rank's shards from full-model tensors named as in HF checkpoints."""
         emb = self.embed_tokens

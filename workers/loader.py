@@ -137,5 +137,6 @@ def load_model(name: str, tp_rank: int, tp_size: int, dtype: torch.dtype, device
         src = SafetensorsSource(path)
     model = LlamaForCausalLM(cfg, tp_rank, tp_size, dtype, device)
     model.load_weights(src)
+    model.prepack_weights()
     model.eval()
     return model, cfg

@@ -9,10 +9,14 @@
 // to nearest even, as torch rounds.
 
 #include <omp.h>
+#include <sched.h>
+#include <time.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,27 +64,33 @@ inline float exp_nonpos(float x) {
 
 // One query token against its context, for the `group` query heads that share KV head `kvh`.
 // Keys 0..n_keys-1 are read through the request's block-table row.
-template <typename T>
+// HD > 0: the head dim as a compile-time constant, so the per-key loops unroll fully.
+template <typename T, int HD>
 void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_head,
                 const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t n_keys,
-                int64_t block_size, int64_t kv_heads, int64_t kvh, int64_t group, int64_t hd,
-                float scale, std::vector<float>& scores, std::vector<float>& qf,
-                std::vector<float>& acc) {
+                int64_t block_size, int64_t kv_heads, int64_t kvh, int64_t group,
+                int64_t hd_runtime, float scale, std::vector<float>& scores,
+                std::vector<float>& qf, std::vector<float>& acc) {
+  const int64_t hd = HD > 0 ? HD : hd_runtime;
   scores.resize(group * n_keys);
   qf.resize(group * hd);
   acc.assign(group * hd, 0.0f);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = load(q + g * q_stride_head, d) * scale;
   const int64_t slot_stride = kv_heads * hd;
-  for (int64_t j = 0; j < n_keys; ++j) {
-    const int64_t slot = static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
-    const T* k = k_cache + slot * slot_stride + kvh * hd;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qq = qf.data() + g * hd;
-      float s = 0.0f;
+  // Walk the context block by block (no division per key: block_size is a runtime value).
+  for (int64_t j0 = 0, b = 0; j0 < n_keys; j0 += block_size, ++b) {
+    const T* kb = k_cache + static_cast<int64_t>(blocks[b]) * block_size * slot_stride + kvh * hd;
+    const int64_t n = n_keys - j0 < block_size ? n_keys - j0 : block_size;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* k = kb + o * slot_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qq = qf.data() + g * hd;
+        float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < hd; ++d) s += qq[d] * load(k, d);
-      scores[g * n_keys + j] = s;
+        for (int64_t d = 0; d < hd; ++d) s += qq[d] * load(k, d);
+        scores[g * n_keys + j0 + o] = s;
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -98,21 +108,24 @@ void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_he
 #pragma omp simd
     for (int64_t j = 0; j < n_keys; ++j) sc[j] *= inv;
   }
-  for (int64_t j = 0; j < n_keys; ++j) {
-    const int64_t slot = static_cast<int64_t>(blocks[j / block_size]) * block_size + j % block_size;
-    const T* v = v_cache + slot * slot_stride + kvh * hd;
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * n_keys + j];
-      float* a = acc.data() + g * hd;
+  for (int64_t j0 = 0, b = 0; j0 < n_keys; j0 += block_size, ++b) {
+    const T* vb = v_cache + static_cast<int64_t>(blocks[b]) * block_size * slot_stride + kvh * hd;
+    const int64_t n = n_keys - j0 < block_size ? n_keys - j0 : block_size;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* v = vb + o * slot_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * n_keys + j0 + o];
+        float* a = acc.data() + g * hd;
 #pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) a[d] += p * load(v, d);
+        for (int64_t d = 0; d < hd; ++d) a[d] += p * load(v, d);
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < hd; ++d) store(out + g * out_stride_head, d, acc[g * hd + d]);
 }
 
-template <typename T>
+template <typename T, int HD>
 void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_stride_tok,
                           const T* k_cache, const T* v_cache, const int32_t* block_table,
                           int64_t bt_stride, const int32_t* seq_lens,
@@ -136,10 +149,10 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
       if (q_len > max_query_len) continue;  // long prefill chunks are the caller's
       // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it.
       const int64_t n_keys = seq_lens[r] - q_len + (t - query_start_loc[r]) + 1;
-      attend_one(out + t * out_stride_tok + kvh * group * hd, hd,
-                 q + t * q_stride_tok + kvh * group * hd, hd, k_cache, v_cache,
-                 block_table + r * bt_stride, n_keys, block_size, kv_heads, kvh, group, hd,
-                 scale, scores, qf, acc);
+      attend_one<T, HD>(out + t * out_stride_tok + kvh * group * hd, hd,
+                        q + t * q_stride_tok + kvh * group * hd, hd, k_cache, v_cache,
+                        block_table + r * bt_stride, n_keys, block_size, kv_heads, kvh, group,
+                        hd, scale, scores, qf, acc);
     }
   }
 }
@@ -246,9 +259,97 @@ void argmax_impl(int64_t* idx, float* val, const T* x, int64_t x_stride, int64_t
   }
 }
 
+template <typename T>
+void paged_attention_dispatch(void* out, int64_t out_stride_tok, const void* q,
+                              int64_t q_stride_tok, const void* k_cache, const void* v_cache,
+                              const int32_t* block_table, int64_t bt_stride,
+                              const int32_t* seq_lens, const int32_t* query_start_loc,
+                              int64_t num_reqs, int64_t num_heads, int64_t kv_heads, int64_t hd,
+                              int64_t block_size, float scale, int64_t max_query_len) {
+  auto run = [&](auto hd_const) {
+    paged_attention_impl<T, decltype(hd_const)::value>(
+        static_cast<T*>(out), out_stride_tok, static_cast<const T*>(q), q_stride_tok,
+        static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_table, bt_stride,
+        seq_lens, query_start_loc, num_reqs, num_heads, kv_heads, hd, block_size, scale,
+        max_query_len);
+  };
+  switch (hd) {
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    default: run(std::integral_constant<int, 0>{});
+  }
+}
+
+inline int64_t now_us() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
+}
+
+template <typename T>
+void shm_sum_impl(T* dst, const char* slots, int64_t slot_stride, int world, int64_t numel) {
+  // Every rank adds the slots in rank order in float32: all ranks get bit-identical sums.
+#pragma omp parallel for schedule(static) if (numel > 65536)
+  for (int64_t i0 = 0; i0 < numel; i0 += 1024) {
+    const int64_t i1 = i0 + 1024 < numel ? i0 + 1024 : numel;
+    float acc[1024];
+    const T* s0 = reinterpret_cast<const T*>(slots);
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) acc[i - i0] = load(s0, i);
+    for (int r = 1; r < world; ++r) {
+      const T* sr = reinterpret_cast<const T*>(slots + r * slot_stride);
+#pragma omp simd
+      for (int64_t i = i0; i < i1; ++i) acc[i - i0] += load(sr, i);
+    }
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) store(dst, i, acc[i - i0]);
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Shared-memory collectives between the TP ranks of one host (workers/shm_comm.py owns the
+// segment layout). A rank copies its part into its slot, then publishes the step's sequence
+// number in its flag; readers wait until every flag has reached that number.
+void tandem_shm_post(int64_t* flag, int64_t seq, void* slot, const void* src, int64_t nbytes) {
+  std::memcpy(slot, src, nbytes);
+  __atomic_store_n(flag, seq, __ATOMIC_RELEASE);
+}
+
+// 1 once every rank's flag (flags[r * flag_stride]) is >= seq; 0 after ~budget_us without.
+// Spins briefly (the peers are usually microseconds behind), then yields the core so a
+// rank or the engine core sharing it can run.
+int tandem_shm_wait(const int64_t* flags, int64_t flag_stride, int world, int64_t seq,
+                    int64_t budget_us) {
+  const int64_t start = now_us();
+  for (int64_t spins = 0;; ++spins) {
+    int ready = 0;
+    for (int r = 0; r < world; ++r)
+      ready += __atomic_load_n(flags + r * flag_stride, __ATOMIC_ACQUIRE) >= seq;
+    if (ready == world) return 1;
+    if ((spins & 63) == 0) {
+      const int64_t waited = now_us() - start;
+      if (waited > budget_us) return 0;
+      if (waited > 20) sched_yield();
+    }
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+void tandem_shm_sum(int dtype, void* dst, const void* slots, int64_t slot_stride, int world,
+                    int64_t numel) {
+  const char* base = static_cast<const char*>(slots);
+  if (dtype == 0)
+    shm_sum_impl(static_cast<float*>(dst), base, slot_stride, world, numel);
+  else
+    shm_sum_impl(static_cast<uint16_t*>(dst), base, slot_stride, world, numel);
+}
+
 
 int tandem_num_threads() { return omp_get_max_threads(); }
 
@@ -260,19 +361,13 @@ void tandem_paged_attention(int dtype, void* out, int64_t out_stride_tok, const 
                             const int32_t* seq_lens, const int32_t* query_start_loc,
                             int64_t num_reqs, int64_t num_heads, int64_t kv_heads, int64_t hd,
                             int64_t block_size, float scale, int64_t max_query_len) {
+  auto args = std::make_tuple(out, out_stride_tok, q, q_stride_tok, k_cache, v_cache,
+                              block_table, bt_stride, seq_lens, query_start_loc, num_reqs,
+                              num_heads, kv_heads, hd, block_size, scale, max_query_len);
   if (dtype == 0)
-    paged_attention_impl(static_cast<float*>(out), out_stride_tok, static_cast<const float*>(q),
-                         q_stride_tok, static_cast<const float*>(k_cache),
-                         static_cast<const float*>(v_cache), block_table, bt_stride, seq_lens,
-                         query_start_loc, num_reqs, num_heads, kv_heads, hd, block_size, scale,
-                         max_query_len);
+    std::apply(paged_attention_dispatch<float>, args);
   else
-    paged_attention_impl(static_cast<uint16_t*>(out), out_stride_tok,
-                         static_cast<const uint16_t*>(q), q_stride_tok,
-                         static_cast<const uint16_t*>(k_cache),
-                         static_cast<const uint16_t*>(v_cache), block_table, bt_stride, seq_lens,
-                         query_start_loc, num_reqs, num_heads, kv_heads, hd, block_size, scale,
-                         max_query_len);
+    std::apply(paged_attention_dispatch<uint16_t>, args);
 }
 
 void tandem_rms_norm(int dtype, void* out, int64_t out_stride, void* x, int64_t x_stride,
