@@ -199,8 +199,13 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
-    """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd]."""
+                    plan: AttentionPlan | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd].
+
+    new_kv: the step's new keys/values [T, KVH, hd]; with the CPU kernels on, prefills without
+    cached context attend to these directly, runs of equal length in one batched call.
+    """
     if plan is None:
         plan = plan_attention(meta, k_cache.shape[1], q.device,
                               short_queries=not _kernel_applies(q, k_cache))
@@ -227,7 +232,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 out[tok.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:  # padded queries repeat a real token: write only the real ones
                 out[tok[plan.decode_valid]] = o[plan.decode_valid]
-    for p in plan.prefills:
+    prefills = plan.prefills
+    if plan.kernel_short_queries or (new_kv is not None and _kernel_applies(q, k_cache)):
+        prefills = _fresh_prefills_batched(out, q, new_kv, prefills, scale)
+    for p in prefills:
         k = _gather_context(k_cache, p.blocks, plan.scratch, 0)[:, : p.seq_len]
         v = _gather_context(v_cache, p.blocks, plan.scratch, 1)[:, : p.seq_len]
         qp = q[p.start : p.end].unsqueeze(0)
@@ -238,3 +246,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             out[p.start : p.end] = _attend(qp, k, v, p.allowed, scale)[0]
     return out
+
+
+def _fresh_prefills_batched(out: torch.Tensor, q: torch.Tensor,
+                            new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+                            prefills: list[_Prefill], scale: float) -> list[_Prefill]:
+    """Attend prefills that have no cached context (seq_len == chunk length) straight from the
+    new K/V: consecutive ones of equal length form one [n, L] SDPA call on views, in the model
+    dtype (the CPU kernel accumulates in float32). Returns the prefills left to do."""
+    if new_kv is None:
+        return prefills
+    k_new, v_new = new_kv
+    rest: list[_Prefill] = []
+    i = 0
+    while i < len(prefills):
+        p = prefills[i]
+        length = p.end - p.start
+        if p.seq_len != length:
+            rest.append(p)
+            i += 1
+            continue
+        j = i + 1
+        while (j < len(prefills) and prefills[j].start == prefills[j - 1].end
+               and prefills[j].end - prefills[j].start == length
+               and prefills[j].seq_len == length):
+            j += 1
+        n, s, e = j - i, p.start, p.start + (j - i) * length
+        heads, hd = q.shape[1], q.shape[2]
+        o = F.scaled_dot_product_attention(
+            q[s:e].view(n, length, heads, hd).transpose(1, 2),
+            k_new[s:e].view(n, length, -1, hd).transpose(1, 2),
+            v_new[s:e].view(n, length, -1, hd).transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=True)
+        out[s:e] = o.transpose(1, 2).reshape(e - s, heads, hd)
+        i = j
+    return rest

@@ -103,8 +103,9 @@ class LlamaAttention(nn.Module):
         q, k = q.view(-1, lay.q_heads, hd), k.view(-1, lay.kv_heads, hd)
         if not rotated:
             q, k = self.rope(positions, q), self.rope(positions, k)
-        write_kv(k, v.view(-1, lay.kv_heads, hd), self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, plan)
+        v = v.view(-1, lay.kv_heads, hd)
+        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, plan, (k, v))
         return self.o_proj(out.view(-1, lay.q_heads * hd))
 
     def load(self, src: WeightSource, prefix: str) -> None:

@@ -122,3 +122,30 @@ def test_argmax_takes_the_lowest_tied_index_within_cols(dtype):
     assert idx[1] == 7 and idx[3] == 0
     assert torch.equal(val, ref_val)
     assert np.array_equal(idx.numpy(), ref_idx.numpy())
+
+
+def test_model_step_with_batched_fresh_prefills_matches_torch_path(monkeypatch):
+    """Equal-length fresh prefills (one batched SDPA call on the new K/V), another length and
+    a decode in one step: the same logits as with the kernels off."""
+    from tests.helpers.paged import run_step
+    from workers.loader import load_model
+
+    model, _ = load_model("dummy:micro", 0, 1, torch.float32, CPU)
+    g = torch.Generator().manual_seed(4)
+
+    def step() -> list[torch.Tensor]:
+        model.allocate_kv_cache(64, 4)
+        # longer than MAX_BATCHED_QUERY, so these are prefills, not kernel queries
+        lens = (20, 20, 20, 18, 5)
+        prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
+        seqs = [Seq(p, list(range(1 + 6 * i, 7 + 6 * i))) for i, p in enumerate(prompts)]
+        run_step(model, seqs[4:], [4], 4)  # request 4 decodes its 5th token next step
+        return run_step(model, seqs, [20, 20, 20, 18, 1], 4)
+
+    state = g.get_state()
+    got = step()
+    g.set_state(state)
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    ref = step()
+    for a, b in zip(got, ref, strict=True):
+        assert (a - b).abs().max().item() < 1e-4
