@@ -50,6 +50,13 @@ def main() -> None:
         result["gather"] = distributed.tp_all_gather(pair, dim=0).tolist()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    if mode != "die":
+        dist.barrier()
+        dist.destroy_process_group()
+    # Skip interpreter teardown: gloo's threads can abort a process that exits while a peer
+    # still tears down its side of the group.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
