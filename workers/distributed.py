@@ -13,11 +13,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from workers.shm_comm import SLOT_BYTES, ShmCommunicator
+
 logger = logging.getLogger(__name__)
 
 # Shared-memory collectives between the CPU ranks of one host (workers/shm_comm.py), set up by
 # init_distributed; None: torch.distributed (gloo / NCCL) carries them.
-_shm = None
+_shm: ShmCommunicator | None = None
 
 
 @dataclass
@@ -86,13 +88,6 @@ def _setup_shm(rank: int, world_size: int) -> None:
             logger.info("TP collectives over shared memory (%d ranks on one host)", world_size)
 
 
-def close_shm() -> None:
-    global _shm
-    if _shm is not None:
-        _shm.close()
-        _shm = None
-
-
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -116,15 +111,10 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if world == 1:
         return x
     x = x.contiguous()
-    if _shm is not None and x.numel() * x.element_size() <= shm_comm_slot_bytes():
+    if _shm is not None and x.numel() * x.element_size() <= SLOT_BYTES:
         parts = _shm.all_gather(x)
     else:
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
 
-
-def shm_comm_slot_bytes() -> int:
-    from workers.shm_comm import SLOT_BYTES
-
-    return SLOT_BYTES
