@@ -28,6 +28,7 @@ from engine_core.step_timeline import StepTimeline
 from engine_core.validation import validate_prompt, validate_sampling
 from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack, worker_decoder
 from protocol.config import EngineConfig
+from protocol.liveness import process_running
 from protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -423,7 +424,7 @@ class EngineCore:
             dead = [
                 f"worker rank {r} (pid {pid}) died"
                 for r, pid in sorted(self.local_pids.items())
-                if r != reporter and not _process_running(pid)
+                if r != reporter and not process_running(pid)
             ]
             if dead or time.monotonic() >= deadline:
                 return ", ".join(dead)
@@ -453,25 +454,6 @@ class EngineCore:
         for s in (self.req_sock, self.pub, self.results):
             s.close(0)
         self.out_sock.close(1000)
-
-
-def _process_running(pid: int) -> bool:
-    """False when `pid` is gone or a zombie (killed, not yet reaped by its launcher)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        # No /proc (not Linux): fall back to signal 0, which cannot see zombies.
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 def main() -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from protocol.liveness import process_running
 from workers import cpu_ops
 
 SLOT_BYTES = 1 << 20
@@ -96,7 +97,7 @@ class ShmCommunicator:
 
     def _check_peers(self) -> None:
         for r, pid in enumerate(self.pids):
-            if r != self.rank and not _running(pid):
+            if r != self.rank and not process_running(pid):
                 raise PeerGone(f"rank {r} (pid {pid}) died during a shared-memory collective "
                                "(Connection closed by peer)")
 
@@ -134,16 +135,6 @@ class ShmCommunicator:
             self.mm.close()
         except BufferError:  # a view still refers to it; the OS unmaps at exit
             pass
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True
 
 
 def same_host_group(world: int) -> bool:
