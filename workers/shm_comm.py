@@ -130,12 +130,6 @@ class ShmCommunicator:
         # Read before the next post may reuse this buffer: guaranteed by the two-buffer rule.
         return out
 
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:  # a view still refers to it; the OS unmaps at exit
-            pass
-
 
 def same_host_group(world: int) -> bool:
     """Whether every rank of the default group runs on this host (collective)."""
