@@ -23,6 +23,8 @@ USE_SDPA = True
 # Requests with at most this many new tokens join the batched path (padded to the longest);
 # draft verification (1 + K tokens) stays there instead of looping request by request.
 MAX_BATCHED_QUERY = 16
+# kernel_max_query_len meaning "every request": the kernel tiles queries of any length.
+KERNEL_ANY_LENGTH = 1 << 62
 
 
 @dataclass
@@ -130,7 +132,8 @@ class AttentionPlan:
     prefills: list[_Prefill]
     scratch: GatherScratch | None = None
     decode_valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
-    kernel_short_queries: bool = False  # the CPU kernel computes the short queries
+    # The CPU kernel computes requests with at most this many new tokens (0: none of them).
+    kernel_max_query_len: int = 0
 
 
 def _kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -139,13 +142,17 @@ def _kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.device,
                    scratch: GatherScratch | None = None,
-                   short_queries: bool = True) -> AttentionPlan:
+                   short_queries: bool = True, kernel_all: bool = False) -> AttentionPlan:
     """Split the batch into short queries (decodes, drafts: batched) and prefill chunks (one
     by one), using only the host copies, so no device synchronisation. short_queries=False:
-    the CPU kernel takes the short ones, plan only the prefill chunks."""
+    the CPU kernel takes the short ones, plan only the prefill chunks. kernel_all: the CPU
+    kernel takes every request, nothing to plan."""
     qsl = meta.query_start_loc_np
     seq_lens = meta.seq_lens_np
     num_reqs = len(seq_lens)
+    if kernel_all:
+        return AttentionPlan(int(qsl[num_reqs]), None, None, None, [], scratch,
+                             kernel_max_query_len=KERNEL_ANY_LENGTH)
     query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
     short = (query_lens >= 1) & (query_lens <= MAX_BATCHED_QUERY)
     decode_reqs = np.flatnonzero(short) if short_queries else np.zeros(0, dtype=np.int64)
@@ -183,8 +190,9 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
         causal = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
         prefills.append(_Prefill(start, end, meta.block_table[int(i), :n_blocks].long()[None],
                                  seq_len, causal.unsqueeze(0)))
+    kernel_max = MAX_BATCHED_QUERY if not short_queries and short.any() else 0
     return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch, valid,
-                         kernel_short_queries=not short_queries and bool(short.any()))
+                         kernel_max_query_len=kernel_max)
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -207,17 +215,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cached context attend to these directly, runs of equal length in one batched call.
     """
     if plan is None:
-        plan = plan_attention(meta, k_cache.shape[1], q.device,
-                              short_queries=not _kernel_applies(q, k_cache))
+        kernel = _kernel_applies(q, k_cache)
+        plan = plan_attention(meta, k_cache.shape[1], q.device, short_queries=not kernel,
+                              kernel_all=kernel and cpu_ops.attention_any_length(q.shape[2]))
     out = torch.empty_like(q)
     if q.shape[0] > plan.num_tokens:  # padding tokens (fixed-size batches) belong to nobody
         out[plan.num_tokens :] = 0
-    if plan.kernel_short_queries:
-        # Decodes and draft verification read their context straight from the paged cache:
-        # no gather, no dtype copies. Long prefill chunks stay on the SDPA path below.
+    if plan.kernel_max_query_len:
+        # Decodes and draft verification (and, with the AVX-512 tiles, prefill chunks too)
+        # read their context straight from the paged cache: no gather, no dtype copies.
+        # Longer chunks are left to the SDPA path below.
         cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                                 meta.query_start_loc, len(meta.seq_lens_np), scale,
-                                max_query_len=MAX_BATCHED_QUERY)
+                                max_query_len=plan.kernel_max_query_len)
     attend = _attend_sdpa if USE_SDPA else _attend
     if plan.decode_blocks is not None:
         k = _gather_context(k_cache, plan.decode_blocks, plan.scratch, 0)  # [D, S, KVH, hd]
@@ -233,7 +243,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             else:  # padded queries repeat a real token: write only the real ones
                 out[tok[plan.decode_valid]] = o[plan.decode_valid]
     prefills = plan.prefills
-    if plan.kernel_short_queries or (new_kv is not None and _kernel_applies(q, k_cache)):
+    if plan.kernel_max_query_len or (new_kv is not None and _kernel_applies(q, k_cache)):
         prefills = _fresh_prefills_batched(out, q, new_kv, prefills, scale)
     for p in prefills:
         k = _gather_context(k_cache, p.blocks, plan.scratch, 0)[:, : p.seq_len]

@@ -12,6 +12,7 @@ Every wrapper takes CPU tensors of dtype float32 or bfloat16 whose last dimensio
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -44,9 +45,11 @@ _SIGNATURES: dict[str, list] = {
     "tandem_shm_post": [_ptr, _i64, _ptr, _ptr, _i64],
     "tandem_shm_wait": [_ptr, _i64, _int, _i64, _i64],
     "tandem_shm_sum": [_int, _ptr, _ptr, _i64, _int, _i64],
+    "tandem_attention_any_length": [_i64],
     "tandem_set_num_threads": [_int],
     "tandem_num_threads": [],
 }
+_RETURNS_INT = ("tandem_num_threads", "tandem_shm_wait", "tandem_attention_any_length")
 
 
 # Tests flip this to compare the kernels with the torch path in one process.
@@ -118,7 +121,7 @@ def ops() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = _int if name in ("tandem_num_threads", "tandem_shm_wait") else None
+            fn.restype = _int if name in _RETURNS_INT else None
         _lib = lib
         return _lib
 
@@ -161,6 +164,14 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         query_start_loc.data_ptr(), num_reqs, heads, k_cache.shape[2], hd, k_cache.shape[1],
         scale, max_query_len)
+
+
+@functools.cache
+def attention_any_length(head_dim: int) -> bool:
+    """Whether paged_attention takes prefill chunks of any length at this head dim (the
+    AVX-512 query tiles); otherwise chunks longer than MAX_BATCHED_QUERY stay on SDPA."""
+    lib = ops()
+    return lib is not None and bool(lib.tandem_attention_any_length(head_dim))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -205,8 +205,10 @@ class LlamaForCausalLM(nn.Module):
         if attn0.k_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         h = self.embed_tokens(input_ids)
+        kernel = cpu_ops.active(attn0.k_cache)
         plan = plan_attention(meta, attn0.k_cache.shape[1], self.device, self.gather_scratch,
-                              short_queries=not cpu_ops.active(attn0.k_cache))
+                              short_queries=not kernel,
+                              kernel_all=kernel and cpu_ops.attention_any_length(self.cfg.head_dim))
         delta = None
         for layer in self.layers:
             h, delta = layer(h, positions, meta, plan, delta)

@@ -38,24 +38,28 @@ def _mixed_step(block_size: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (6, 6), (6, 1)])
-def test_paged_attention_matches_torch(dtype, block_size, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,hd", [(8, 4, 32), (6, 6, 32), (6, 1, 32), (4, 2, 64),
+                                               (2, 1, 128), (4, 2, 48)])
+def test_paged_attention_matches_torch(dtype, block_size, heads, kv_heads, hd, monkeypatch):
+    """Head dims 32/64/128 take the AVX-512 paths where built (query tiles for the chunks of
+    more than 3 tokens), 48 the portable one."""
     meta, num_blocks = _mixed_step(block_size)
-    hd = 32
     g = torch.Generator().manual_seed(0)
     shape = (num_blocks, block_size, kv_heads, hd)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
     t = int(meta.query_start_loc_np[-1])
     q = torch.randn(t, heads, hd, generator=g).to(dtype)
-    ref = attention.paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
+    with monkeypatch.context() as m:  # the reference must not route through the kernel
+        m.setattr(cpu_ops, "ENABLED", False)
+        ref = attention.paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
     out = torch.full_like(q, float("nan"))
     cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                             meta.query_start_loc, len(meta.seq_lens_np), hd**-0.5)
     assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
 
 
-def test_paged_attention_reads_strided_queries():
+def test_paged_attention_reads_strided_queries(monkeypatch):
     """q as a view into the fused qkv projection output (rows wider than heads * hd)."""
     meta, num_blocks = _mixed_step(4)
     hd, heads, kvh = 16, 4, 2
@@ -64,7 +68,9 @@ def test_paged_attention_reads_strided_queries():
     t = int(meta.query_start_loc_np[-1])
     qkv = torch.randn(t, (heads + 2 * kvh) * hd)
     q = qkv[:, : heads * hd].view(t, heads, hd)
-    ref = attention.paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.25)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_ops, "ENABLED", False)
+        ref = attention.paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.25)
     out = torch.empty(t, heads, hd)
     cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                             meta.query_start_loc, len(meta.seq_lens_np), 0.25)

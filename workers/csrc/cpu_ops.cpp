@@ -160,6 +160,8 @@ inline __m512 sum_lanes16(const __m512* v) {
 // reduced by sum_lanes16, PV with the accumulator in registers. Same math (float32, scale on
 // q, max-subtracted softmax) in another summation order.
 constexpr int64_t kPrefetch = 16;
+// Requests with fewer new tokens than this go token by token (decodes, short drafts).
+constexpr int64_t kTileMinQueries = 4;
 
 template <typename T, int HD>
 void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_head,
@@ -237,6 +239,108 @@ void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_st
     for (int d = 0; d < HD; ++d) store(dst, d, res[d]);
   }
 }
+
+// exp(x) for x <= 0, 16 lanes: exp_nonpos's polynomial, with scalef for the 2^n.
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Query tiles: up to 16 consecutive new tokens of one request (the first at position pos0)
+// against keys 0 .. pos0 + nq - 1, causal, for the `group` query heads of KV head kvh. The
+// 16 queries live in the 16 lanes: QK is one broadcast FMA per key and head-dim element,
+// softmax is lane-wise, and each K/V row is read once per tile instead of once per query.
+// Prefill chunks went through SDPA before: 3.2 ms per layer for 16 x 128-token prompts.
+template <typename T, int HD>
+void attend_tile_avx512(T* out, int64_t out_stride_tok, const T* q, int64_t q_stride_tok,
+                        const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos0,
+                        int64_t nq, int64_t block_size, int64_t kv_heads, int64_t kvh,
+                        int64_t group, float scale, std::vector<float>& buf) {
+  constexpr int NV = HD / 16;
+  constexpr int QS = 16 / NV;  // queries per PV pass: 16 accumulators in registers
+  const int64_t n_keys = pos0 + nq;
+  const int64_t slot_stride = kv_heads * HD;
+  buf.resize(HD * 16 + n_keys * 16 + 16 + HD);
+  float* qt = buf.data();          // [HD][16]: the tile's queries, transposed and scaled
+  float* sc = qt + HD * 16;        // [n_keys][16]: scores, then probabilities
+  float* kf = sc + n_keys * 16;    // [HD + 16]: one key row in float32, then 1/sum per lane
+  const T* k_head = k_cache + kvh * HD;
+  const T* v_head = v_cache + kvh * HD;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(pos0)), lane);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head = kvh * group + g;
+    for (int64_t i = 0; i < 16; ++i)
+      for (int d = 0; d < HD; ++d)
+        qt[d * 16 + i] = i < nq ? load(q + i * q_stride_tok + head * HD, d) * scale : 0.0f;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t b = 0, o = 0;
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const T* k = k_head + (static_cast<int64_t>(blocks[b]) * block_size + o) * slot_stride;
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + 16 * v, load16(k + 16 * v));
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  // 4 chains hide latency
+      for (int d = 0; d < HD; d += 4) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * 16), _mm512_set1_ps(kf[d]), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * 16 + 16), _mm512_set1_ps(kf[d + 1]), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * 16 + 32), _mm512_set1_ps(kf[d + 2]), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * 16 + 48), _mm512_set1_ps(kf[d + 3]), a3);
+      }
+      __m512 s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+      if (j > pos0)  // lane i sees keys up to pos0 + i
+        s = _mm512_mask_mov_ps(s, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(
+                                      static_cast<int32_t>(j)), qpos),
+                               _mm512_set1_ps(-INFINITY));
+      _mm512_storeu_ps(sc + j * 16, s);
+      m = _mm512_max_ps(m, s);
+      if (++o == block_size) o = 0, ++b;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), m));
+      _mm512_storeu_ps(sc + j * 16, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(kf, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    for (int64_t i0 = 0; i0 < nq; i0 += QS) {
+      __m512 acc[QS][NV];
+      for (int i = 0; i < QS; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+      // Queries i0.. see keys up to pos0 + i0 + QS - 1; later keys have probability 0.
+      const int64_t last = pos0 + i0 + QS < n_keys ? pos0 + i0 + QS : n_keys;
+      b = 0, o = 0;
+      for (int64_t j = 0; j < last; ++j) {
+        const T* vr = v_head + (static_cast<int64_t>(blocks[b]) * block_size + o) * slot_stride;
+        __m512 vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+        const float* pj = sc + j * 16 + i0;
+        for (int i = 0; i < QS; ++i) {
+          const __m512 p = _mm512_set1_ps(pj[i]);
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(p, vv[v], acc[i][v]);
+        }
+        if (++o == block_size) o = 0, ++b;
+      }
+      alignas(64) float res[HD];
+      for (int i = 0; i < QS && i0 + i < nq; ++i) {
+        const __m512 inv = _mm512_set1_ps(kf[i0 + i]);
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(res + 16 * v, _mm512_mul_ps(acc[i][v], inv));
+        T* dst = out + (i0 + i) * out_stride_tok + head * HD;
+        for (int d = 0; d < HD; ++d) store(dst, d, res[d]);
+      }
+    }
+  }
+}
 #endif
 
 template <typename T, int HD>
@@ -248,6 +352,50 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
                           int64_t max_query_len) {
   const int64_t num_tokens = query_start_loc[num_reqs];
   const int64_t group = num_heads / kv_heads;
+#if defined(__AVX512F__)
+  if constexpr (HD > 0) {
+    // Work items: single tokens of short queries, tiles of up to 16 tokens of longer ones;
+    // each item times each KV head is one task. Tiles differ in cost (later ones see more
+    // keys), hence dynamic scheduling; results do not depend on which thread runs what.
+    struct Item {
+      int64_t r, t0, nq;
+    };
+    std::vector<Item> work;
+    for (int64_t r = 0; r < num_reqs; ++r) {
+      const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
+      const int64_t q_len = end - start;
+      if (q_len == 0 || q_len > max_query_len) continue;  // long chunks are the caller's
+      const int64_t step = q_len < kTileMinQueries ? 1 : 16;
+      for (int64_t t0 = start; t0 < end; t0 += step)
+        work.push_back({r, t0, end - t0 < step ? end - t0 : step});
+    }
+    const int64_t n_tasks = static_cast<int64_t>(work.size()) * kv_heads;
+#pragma omp parallel
+    {
+      std::vector<float> buf;
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t it = 0; it < n_tasks; ++it) {
+        const Item& w = work[it / kv_heads];
+        const int64_t kvh = it % kv_heads;
+        const int64_t q_len = query_start_loc[w.r + 1] - query_start_loc[w.r];
+        // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it.
+        const int64_t pos0 = seq_lens[w.r] - q_len + (w.t0 - query_start_loc[w.r]);
+        const int32_t* blocks = block_table + w.r * bt_stride;
+        if (w.nq == 1)
+          attend_one_avx512<T, HD>(out + w.t0 * out_stride_tok + kvh * group * hd, hd,
+                                   q + w.t0 * q_stride_tok + kvh * group * hd, hd, k_cache,
+                                   v_cache, blocks, pos0 + 1, block_size, kv_heads, kvh, group,
+                                   scale, buf);
+        else
+          attend_tile_avx512<T, HD>(out + w.t0 * out_stride_tok, out_stride_tok,
+                                    q + w.t0 * q_stride_tok, q_stride_tok, k_cache, v_cache,
+                                    blocks, pos0, w.nq, block_size, kv_heads, kvh, group, scale,
+                                    buf);
+      }
+    }
+    return;
+  }
+#endif
   const int64_t items = num_tokens * kv_heads;
 #pragma omp parallel
   {
@@ -263,15 +411,6 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
       if (q_len > max_query_len) continue;  // long prefill chunks are the caller's
       // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it.
       const int64_t n_keys = seq_lens[r] - q_len + (t - query_start_loc[r]) + 1;
-#if defined(__AVX512F__)
-      if constexpr (HD > 0) {
-        attend_one_avx512<T, HD>(out + t * out_stride_tok + kvh * group * hd, hd,
-                                 q + t * q_stride_tok + kvh * group * hd, hd, k_cache, v_cache,
-                                 block_table + r * bt_stride, n_keys, block_size, kv_heads, kvh,
-                                 group, scale, scores);
-        continue;
-      }
-#endif
       attend_one<T, HD>(out + t * out_stride_tok + kvh * group * hd, hd,
                         q + t * q_stride_tok + kvh * group * hd, hd, k_cache, v_cache,
                         block_table + r * bt_stride, n_keys, block_size, kv_heads, kvh, group,
@@ -477,6 +616,17 @@ void tandem_shm_sum(int dtype, void* dst, const void* slots, int64_t slot_stride
 int tandem_num_threads() { return omp_get_max_threads(); }
 
 void tandem_set_num_threads(int n) { omp_set_num_threads(n); }
+
+// 1 if tandem_paged_attention takes queries of any length for this head dim (the AVX-512
+// tiles), 0 if the caller should keep long prefill chunks for itself.
+int tandem_attention_any_length(int64_t hd) {
+#if defined(__AVX512F__)
+  return hd == 32 || hd == 64 || hd == 128;
+#else
+  (void)hd;
+  return 0;
+#endif
+}
 
 void tandem_paged_attention(int dtype, void* out, int64_t out_stride_tok, const void* q,
                             int64_t q_stride_tok, const void* k_cache, const void* v_cache,
