@@ -188,10 +188,16 @@ void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_st
     int64_t pb = 0, po = 0, pj = 0;
     auto prefetch_next = [&]() {
       if (g != 0 || pj >= n_keys) return;
+      // The first KV head's task fetches the whole slot (every head's row): the tasks of one
+      // token's other heads follow on the same thread and find their rows cached, and the
+      // memory stream is contiguous instead of one 64-byte row per slot stride.
       const int64_t off = (static_cast<int64_t>(blocks[pb]) * block_size + po) * slot_stride;
-      for (int64_t c = 0; c < HD * static_cast<int64_t>(sizeof(T)); c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_head + off) + c, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v_head + off) + c, _MM_HINT_T1);
+      const T* kr = kvh == 0 ? k_cache + off : k_head + off;
+      const T* vr = kvh == 0 ? v_cache + off : v_head + off;
+      const int64_t bytes = (kvh == 0 ? slot_stride : HD) * static_cast<int64_t>(sizeof(T));
+      for (int64_t c = 0; c < bytes; c += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kr) + c, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vr) + c, _MM_HINT_T1);
       }
       if (++po == block_size) po = 0, ++pb;
       ++pj;
