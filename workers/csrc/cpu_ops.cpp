@@ -323,7 +323,8 @@ void attend_tile_avx512(T* out, int64_t out_stride_tok, const T* q, int64_t q_st
       __m512 acc[QS][NV];
       for (int i = 0; i < QS; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-      // Queries i0.. see keys up to pos0 + i0 + QS - 1; later keys have probability 0.
+      // Queries i0.. see keys up to pos0 + i0 + QS - 1; later ones are masked (exp of the
+      // clamped -87: below 1e-37 against a sum of at least 1), so PV stops there.
       const int64_t last = pos0 + i0 + QS < n_keys ? pos0 + i0 + QS : n_keys;
       b = 0, o = 0;
       for (int64_t j = 0; j < last; ++j) {
