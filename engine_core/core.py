@@ -108,9 +108,17 @@ class EngineCore:
     def handshake(self) -> None:
         """Wait for every rank's hello, then make sure every SUB socket receives broadcasts."""
         hellos: dict[int, WorkerHello] = {}
+        ready: set[int] = set()
+        nonce = -1
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(hellos) < self.world_size:
+            # A rank that said hello is already listening and exits after CORE_SILENCE_S
+            # without a message: keep it fed while slower ranks still load. These are sync
+            # pings, so their answers also count for the sync below.
+            self.pub.send(self.encoder.encode(HealthPing(nonce)))
             msg = self._recv_worker(deadline)
+            if msg is None:
+                continue
             if isinstance(msg, WorkerHello):
                 if msg.world_size != self.world_size:
                     raise EngineFatal(
@@ -118,12 +126,12 @@ class EngineCore:
                         f"the engine expects {self.world_size}"
                     )
                 hellos[msg.rank] = msg
+            elif isinstance(msg, WorkerReady):
+                ready.add(msg.rank)
             elif isinstance(msg, WorkerError):
                 raise EngineFatal(self._describe_error(msg))
         # Slow joiners: PUB drops what a not-yet-connected SUB would have got, so publish sync
         # pings until every rank has answered one.
-        ready: set[int] = set()
-        nonce = -1
         while len(ready) < self.world_size:
             self.pub.send(self.encoder.encode(HealthPing(nonce)))
             frame = recv_frame(self.results, 20)
@@ -363,15 +371,14 @@ class EngineCore:
 
     # ------------------------------------------------------------------ worker side
 
-    def _recv_worker(self, deadline: float) -> msgspec.Struct:
-        while True:
-            if time.monotonic() > deadline:
-                raise EngineFatal("timed out waiting for the workers to start")
-            if os.getppid() != self.parent_pid:
-                raise EngineFatal("the frontend process died")
-            frame = recv_frame(self.results, 200)
-            if frame is not None:
-                return self._decode_worker(frame)
+    def _recv_worker(self, deadline: float) -> msgspec.Struct | None:
+        """One worker message, or None after 200 ms without one."""
+        if time.monotonic() > deadline:
+            raise EngineFatal("timed out waiting for the workers to start")
+        if os.getppid() != self.parent_pid:
+            raise EngineFatal("the frontend process died")
+        frame = recv_frame(self.results, 200)
+        return None if frame is None else self._decode_worker(frame)
 
     def _decode_worker(self, frame: bytes) -> msgspec.Struct:
         try:

@@ -43,7 +43,8 @@ POLL_MS = 100
 
 
 def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
-    """TEST-ONLY fault hook: TANDEM_FAULT_INJECT="raise@step=5,rank=1" or "hang@step=5,rank=1".
+    """TEST-ONLY fault hook: TANDEM_FAULT_INJECT="raise@step=5,rank=1", "hang@step=5,rank=1"
+    or "slow_start@rank=0" (say hello 2 x CORE_SILENCE_S after the other ranks).
 
     Lets the reliability tests make a rank raise or go silent at a chosen step; unset in real use.
     """
@@ -51,7 +52,7 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
         return None
     kind, _, rest = spec.partition("@")
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if "=" in kv)
-    if kind not in ("raise", "hang"):
+    if kind not in ("raise", "hang", "slow_start"):
         raise ValueError(f"TANDEM_FAULT_INJECT: unknown fault {kind!r}")
     return kind, int(opts.get("step", "0")), int(opts.get("rank", "0"))
 
@@ -175,7 +176,7 @@ class Worker:
         if self.fault is None:
             return
         kind, step, rank = self.fault
-        if rank != self.rank or step_id < step:
+        if kind == "slow_start" or rank != self.rank or step_id < step:
             return
         self.fault = None
         if kind == "raise":
@@ -231,6 +232,9 @@ def main() -> int:
     worker: Worker | None = None
     try:
         worker = Worker(config)
+        if worker.fault is not None and worker.fault[0] == "slow_start":
+            if worker.fault[2] == worker.rank:
+                time.sleep(2 * CORE_SILENCE_S)  # the other ranks already listen to the core
         worker.connect(endpoints_from_env(), secret_from_env())
         code = worker.run()
     except Exception as e:  # report, with traceback, before dying

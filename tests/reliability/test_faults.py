@@ -85,6 +85,14 @@ def _assert_all_errors(finished: dict[int, tuple], *needles: str) -> None:
             assert n in err, err[-2000:]
 
 
+def test_engine_starts_when_one_rank_is_slow_to_load(make_llm) -> None:
+    """Ranks that said hello listen for the core and exit after CORE_SILENCE_S of silence; the
+    core must keep them fed while a slower rank (here rank 0, 3 s late) still loads."""
+    llm = make_llm("slow_start@rank=0")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [4] * len(PROMPTS)
+
+
 def test_killed_worker_fails_every_request(make_llm) -> None:
     llm = make_llm()
     victim = _pid_of(llm, "worker rank 1")
