@@ -66,6 +66,20 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// sc[j] = exp(sc[j] - max(sc)) in place; returns the sum (softmax without the division).
+inline float exp_minus_max(float* sc, int64_t n) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    sc[j] = exp_nonpos(sc[j] - m);
+    sum += sc[j];
+  }
+  return sum;
+}
+
 // One query token against its context, for the `group` query heads that share KV head `kvh`.
 // Keys 0..n_keys-1 are read through the request's block-table row.
 // HD > 0: the head dim as a compile-time constant, so the per-key loops unroll fully.
@@ -99,15 +113,7 @@ void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_he
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores.data() + g * n_keys;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n_keys; ++j) m = sc[j] > m ? sc[j] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n_keys; ++j) {
-      sc[j] = exp_nonpos(sc[j] - m);
-      sum += sc[j];
-    }
+    const float sum = exp_minus_max(sc, n_keys);
     const float inv = 1.0f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < n_keys; ++j) sc[j] *= inv;
@@ -156,13 +162,13 @@ inline __m512 sum_lanes16(const __m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// attend_one with AVX-512 for head dims that are a multiple of 16: QK in tiles of 16 keys
-// reduced by sum_lanes16, PV with the accumulator in registers. Same math (float32, scale on
-// q, max-subtracted softmax) in another summation order.
 constexpr int64_t kPrefetch = 16;
 // Requests with fewer new tokens than this go token by token (decodes, short drafts).
 constexpr int64_t kTileMinQueries = 4;
 
+// attend_one with AVX-512 for head dims that are a multiple of 16: QK in tiles of 16 keys
+// reduced by sum_lanes16, PV with the accumulator in registers. Same math (float32, scale on
+// q, max-subtracted softmax) in another summation order.
 template <typename T, int HD>
 void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_head,
                        const T* k_cache, const T* v_cache, const int32_t* blocks,
@@ -220,15 +226,7 @@ void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_st
       }
       _mm512_storeu_ps(sc + j0, sum_lanes16(part));
     }
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n_keys; ++j) m = sc[j] > m ? sc[j] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n_keys; ++j) {
-      sc[j] = exp_nonpos(sc[j] - m);
-      sum += sc[j];
-    }
+    const float sum = exp_minus_max(sc, n_keys);
     __m512 acc[NV];
     for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
     b = 0, o = 0;
