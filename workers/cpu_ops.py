@@ -1,4 +1,4 @@
-"""CPU kernels (workers/csrc/cpu_ops.cpp) built on first use and called through ctypes.
+"""CPU kernels (workers/csrc/*.cpp) built on first use and called through ctypes.
 
 The library is compiled once per source/compiler/CPU combination into a cache directory
 ($TANDEM_CACHE_DIR, default ~/.cache/tandem) with `-march=native`, then loaded by every worker.
@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -74,9 +74,12 @@ def _cpu_fingerprint() -> bytes:
 
 
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_fingerprint()
-    ).hexdigest()[:16]
+    sources = sorted(CSRC.glob("*.cpp"))
+    digest = hashlib.sha256()
+    for path in sources + sorted(CSRC.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(FLAGS).encode() + compiler.encode() + _cpu_fingerprint())
+    key = digest.hexdigest()[:16]
     cache = Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
     lib = cache / f"cpu_ops-{key}.so"
     if lib.exists():
@@ -87,7 +90,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp, lib)
     finally:

@@ -1,4 +1,4 @@
-"""CPU kernels (workers/csrc/cpu_ops.cpp) against the torch path they replace."""
+"""CPU kernels (workers/csrc/) against the torch path they replace."""
 
 from __future__ import annotations
 

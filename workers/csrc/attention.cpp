@@ -1,70 +1,13 @@
-// CPU kernels for the worker's forward pass, called through ctypes (workers/cpu_ops.py).
-//
-// Why C++: on CPU the model's small ops (decode attention over a paged cache, RMSNorm, rotary,
-// SiLU-and-mul, argmax) cost more in torch's per-op overhead, dtype copies and context gathers
-// than in arithmetic. Each kernel here reads its inputs once, computes in float32 and writes its
-// output once. Plain C ABI on raw pointers: no torch headers, so the build takes seconds.
-//
-// dtype codes: 0 = float32, 1 = bfloat16. bf16 is the top half of a float32; results are rounded
-// to nearest even, as torch rounds.
+// Paged attention over the KV cache: decode tokens one by one, prefill chunks in query tiles.
+// Called through ctypes (workers/cpu_ops.py); plain C ABI on raw pointers.
 
-#include <omp.h>
-#include <sched.h>
-#include <time.h>
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 namespace {
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
-
-// exp(x) for x <= 0 in a form the compiler vectorizes: 2^n * e^r with |r| <= ln2/2 and a
-// degree-7 Taylor polynomial (relative error < 1e-8, below float32 rounding).
-#pragma omp declare simd notinbranch
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 // sc[j] = exp(sc[j] - max(sc)) in place; returns the sum (softmax without the division).
 inline float exp_minus_max(float* sc, int64_t n) {
@@ -134,14 +77,7 @@ void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_he
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < hd; ++d) store(out + g * out_stride_head, d, acc[g * hd + d]);
 }
-
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // Lane j of the result is the sum of v[j]'s 16 lanes. A transpose-and-add tree: 15 adds and
 // 30 shuffles for 16 dot products, where 16 separate horizontal reductions are a dependent
 // chain of ~8 instructions each (the scalar kernel's QK loop was bound by exactly that).
@@ -244,23 +180,6 @@ void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_st
   }
 }
 
-// exp(x) for x <= 0, 16 lanes: exp_nonpos's polynomial, with scalef for the 2^n.
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Query tiles: up to 16 consecutive new tokens of one request (the first at position pos0)
 // against keys 0 .. pos0 + nq - 1, causal, for the `group` query heads of KV head kvh. The
@@ -423,109 +342,6 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
     }
   }
 }
-
-template <typename T>
-void rms_norm_impl(T* out, int64_t out_stride, T* x, int64_t x_stride, const T* residual_in,
-                   int64_t res_stride, const T* weight, int64_t n, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    T* xi = x + i * x_stride;
-    if (residual_in != nullptr) {
-      // x += residual, rounded to x's dtype first (as the unfused `h = h + delta` does).
-      const T* ri = residual_in + i * res_stride;
-      for (int64_t d = 0; d < dim; ++d) store(xi, d, load(xi, d) + load(ri, d));
-    }
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t d = 0; d < dim; ++d) {
-      const float v = load(xi, d);
-      ss += v * v;
-    }
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    T* oi = out + i * out_stride;
-    for (int64_t d = 0; d < dim; ++d) {
-      // normalized value rounded to the model dtype, then scaled by the weight (HF's order)
-      T normed;
-      store(&normed, 0, load(xi, d) * r);
-      store(oi, d, load(weight, d) * load(&normed, 0));
-    }
-  }
-}
-
-// Rotate-half rotary embedding in place on `heads` consecutive heads of each token's row.
-template <typename T>
-void rotary_impl(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
-                 const int64_t* positions, const float* cos, const float* sin) {
-  const int64_t half = hd / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float* c = cos + positions[i] * half;
-    const float* s = sin + positions[i] * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* p = x + i * x_stride + h * hd;
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) {
-        const float a = load(p, d), b = load(p, d + half);
-        store(p, d, a * c[d] - b * s[d]);
-        store(p, d + half, b * c[d] + a * s[d]);
-      }
-    }
-  }
-}
-
-template <typename T>
-void silu_and_mul_impl(T* out, const T* x, int64_t n, int64_t inter) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T* g = x + i * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + i * inter;
-#pragma omp simd
-    for (int64_t d = 0; d < inter; ++d) {
-      const float a = load(g, d);
-      // silu(a) = a / (1 + e^-a); e^-|a| keeps the exponent argument non-positive.
-      const float e = exp_nonpos(-std::fabs(a));
-      const float sig = a >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-      store(o, d, a * sig * load(u, d));
-    }
-  }
-}
-
-template <typename T>
-void argmax_impl(int64_t* idx, float* val, const T* x, int64_t x_stride, int64_t n,
-                 int64_t cols) {
-  constexpr int64_t kChunk = 64;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T* row = x + i * x_stride;
-    // Vectorized max per chunk; only the first chunk holding the overall max is rescanned.
-    float m = -INFINITY;
-    int64_t best_chunk = 0;
-    for (int64_t c = 0; c < cols; c += kChunk) {
-      const int64_t end = c + kChunk < cols ? c + kChunk : cols;
-      float cm = -INFINITY;
-#pragma omp simd reduction(max : cm)
-      for (int64_t j = c; j < end; ++j) {
-        const float v = load(row, j);
-        cm = v > cm ? v : cm;
-      }
-      if (cm > m) {
-        m = cm;
-        best_chunk = c;
-      }
-    }
-    int64_t best = best_chunk;
-    for (int64_t j = best_chunk; j < cols; ++j) {
-      if (load(row, j) == m) {  // first (lowest) index holding the max, as torch.argmax
-        best = j;
-        break;
-      }
-    }
-    idx[i] = best;
-    val[i] = m;
-  }
-}
-
 template <typename T>
 void paged_attention_dispatch(void* out, int64_t out_stride_tok, const void* q,
                               int64_t q_stride_tok, const void* k_cache, const void* v_cache,
@@ -547,80 +363,9 @@ void paged_attention_dispatch(void* out, int64_t out_stride_tok, const void* q,
     default: run(std::integral_constant<int, 0>{});
   }
 }
-
-inline int64_t now_us() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
-}
-
-template <typename T>
-void shm_sum_impl(T* dst, const char* slots, int64_t slot_stride, int world, int64_t numel) {
-  // Every rank adds the slots in rank order in float32: all ranks get bit-identical sums.
-#pragma omp parallel for schedule(static) if (numel > 65536)
-  for (int64_t i0 = 0; i0 < numel; i0 += 1024) {
-    const int64_t i1 = i0 + 1024 < numel ? i0 + 1024 : numel;
-    float acc[1024];
-    const T* s0 = reinterpret_cast<const T*>(slots);
-#pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) acc[i - i0] = load(s0, i);
-    for (int r = 1; r < world; ++r) {
-      const T* sr = reinterpret_cast<const T*>(slots + r * slot_stride);
-#pragma omp simd
-      for (int64_t i = i0; i < i1; ++i) acc[i - i0] += load(sr, i);
-    }
-#pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) store(dst, i, acc[i - i0]);
-  }
-}
-
 }  // namespace
 
 extern "C" {
-
-// Shared-memory collectives between the TP ranks of one host (workers/shm_comm.py owns the
-// segment layout). A rank copies its part into its slot, then publishes the step's sequence
-// number in its flag; readers wait until every flag has reached that number.
-void tandem_shm_post(int64_t* flag, int64_t seq, void* slot, const void* src, int64_t nbytes) {
-  std::memcpy(slot, src, nbytes);
-  __atomic_store_n(flag, seq, __ATOMIC_RELEASE);
-}
-
-// 1 once every rank's flag (flags[r * flag_stride]) is >= seq; 0 after ~budget_us without.
-// Spins briefly (the peers are usually microseconds behind), then yields the core so a
-// rank or the engine core sharing it can run.
-int tandem_shm_wait(const int64_t* flags, int64_t flag_stride, int world, int64_t seq,
-                    int64_t budget_us) {
-  const int64_t start = now_us();
-  for (int64_t spins = 0;; ++spins) {
-    int ready = 0;
-    for (int r = 0; r < world; ++r)
-      ready += __atomic_load_n(flags + r * flag_stride, __ATOMIC_ACQUIRE) >= seq;
-    if (ready == world) return 1;
-    if ((spins & 63) == 0) {
-      const int64_t waited = now_us() - start;
-      if (waited > budget_us) return 0;
-      if (waited > 20) sched_yield();
-    }
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
-}
-
-void tandem_shm_sum(int dtype, void* dst, const void* slots, int64_t slot_stride, int world,
-                    int64_t numel) {
-  const char* base = static_cast<const char*>(slots);
-  if (dtype == 0)
-    shm_sum_impl(static_cast<float*>(dst), base, slot_stride, world, numel);
-  else
-    shm_sum_impl(static_cast<uint16_t*>(dst), base, slot_stride, world, numel);
-}
-
-
-int tandem_num_threads() { return omp_get_max_threads(); }
-
-void tandem_set_num_threads(int n) { omp_set_num_threads(n); }
 
 // 1 if tandem_paged_attention takes queries of any length for this head dim (the AVX-512
 // tiles), 0 if the caller should keep long prefill chunks for itself.
@@ -647,41 +392,4 @@ void tandem_paged_attention(int dtype, void* out, int64_t out_stride_tok, const 
   else
     std::apply(paged_attention_dispatch<uint16_t>, args);
 }
-
-void tandem_rms_norm(int dtype, void* out, int64_t out_stride, void* x, int64_t x_stride,
-                     const void* residual_in, int64_t res_stride, const void* weight, int64_t n,
-                     int64_t dim, float eps) {
-  if (dtype == 0)
-    rms_norm_impl(static_cast<float*>(out), out_stride, static_cast<float*>(x), x_stride,
-                  static_cast<const float*>(residual_in), res_stride,
-                  static_cast<const float*>(weight), n, dim, eps);
-  else
-    rms_norm_impl(static_cast<uint16_t*>(out), out_stride, static_cast<uint16_t*>(x), x_stride,
-                  static_cast<const uint16_t*>(residual_in), res_stride,
-                  static_cast<const uint16_t*>(weight), n, dim, eps);
-}
-
-void tandem_rotary(int dtype, void* x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
-                   const int64_t* positions, const float* cos, const float* sin) {
-  if (dtype == 0)
-    rotary_impl(static_cast<float*>(x), x_stride, n, heads, hd, positions, cos, sin);
-  else
-    rotary_impl(static_cast<uint16_t*>(x), x_stride, n, heads, hd, positions, cos, sin);
-}
-
-void tandem_silu_and_mul(int dtype, void* out, const void* x, int64_t n, int64_t inter) {
-  if (dtype == 0)
-    silu_and_mul_impl(static_cast<float*>(out), static_cast<const float*>(x), n, inter);
-  else
-    silu_and_mul_impl(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), n, inter);
-}
-
-void tandem_argmax(int dtype, int64_t* idx, float* val, const void* x, int64_t x_stride,
-                   int64_t n, int64_t cols) {
-  if (dtype == 0)
-    argmax_impl(idx, val, static_cast<const float*>(x), x_stride, n, cols);
-  else
-    argmax_impl(idx, val, static_cast<const uint16_t*>(x), x_stride, n, cols);
-}
-
 }  // extern "C"
