@@ -40,6 +40,8 @@ _SIGNATURES: dict[str, list] = {
                                _i64, _i64, _i64, _i64, _i64, _f32, _i64],
     "tandem_rms_norm": [_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32],
     "tandem_rotary": [_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
+    "tandem_rotary_kv": [_int, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                         _ptr],
     "tandem_silu_and_mul": [_int, _ptr, _ptr, _i64, _i64],
     "tandem_argmax": [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "tandem_shm_post": [_ptr, _i64, _ptr, _ptr, _i64],
@@ -203,6 +205,25 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
     lib.tandem_rotary(_code(x), x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim,
                       positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
+
+
+def rotary_kv_(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int,
+               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows of qkv [N, >= (q_heads + 2 * kv_heads) * hd] are a fused [q | k | v] projection:
+    rotate the q and k heads in place, then copy each token's K and V into cache slot
+    slots[i] of k_cache/v_cache [blocks, block_size, kv_heads, hd] (same dtype as qkv)."""
+    lib = _lib_or_raise()
+    assert qkv.stride(1) == 1 and positions.dtype == slots.dtype == torch.int64
+    assert positions.is_contiguous() and slots.is_contiguous() and len(slots) == len(qkv)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype == qkv.dtype
+    assert k_cache.shape[2] * k_cache.shape[3] == kv_heads * head_dim
+    lib.tandem_rotary_kv(_code(qkv), qkv.data_ptr(), qkv.stride(0), qkv.shape[0], q_heads,
+                         kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
+                         sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                         slots.data_ptr())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -219,13 +219,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
-    def rotate_leading_heads_(self, positions: torch.Tensor, x: torch.Tensor, heads: int,
-                              head_dim: int) -> bool:
-        """Rotate the first `heads` heads of each row of x [T, >= heads * hd] in place with the
-        CPU kernel; False (nothing done) when the kernel does not apply."""
-        if not (cpu_ops.active(x) and x.stride(-1) == 1 and positions.dtype == torch.int64):
+    def rotate_and_cache_(self, positions: torch.Tensor, qkv: torch.Tensor, q_heads: int,
+                          kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Fused [q | k | v] rows qkv [T, ...]: rotate q and k in place and write K/V into the
+        cache slots, in one CPU kernel pass; False (nothing done) when the kernel does not
+        apply, and the caller rotates and writes the cache itself."""
+        if not (cpu_ops.active(qkv) and qkv.stride(-1) == 1 and positions.dtype == torch.int64
+                and slots.dtype == torch.int64 and k_cache.dtype == qkv.dtype
+                and k_cache.is_contiguous() and v_cache.is_contiguous()):
             return False
-        cpu_ops.rotary_(x, heads, head_dim, positions.contiguous(), self.cos, self.sin)
+        cpu_ops.rotary_kv_(qkv, q_heads, kv_heads, head_dim, positions.contiguous(), self.cos,
+                           self.sin, k_cache, v_cache, slots.contiguous())
         return True
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -96,15 +96,16 @@ class LlamaAttention(nn.Module):
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         hd, lay = self.head_dim, self.lay
         qkv = self.qkv_proj(x)
-        # q and k heads lead each row of the fused projection: rotate them in place when the
-        # CPU kernel applies, then q/k/v are views.
-        rotated = self.rope.rotate_leading_heads_(positions, qkv, lay.q_heads + lay.kv_heads, hd)
+        # The CPU kernel rotates q and k inside the fused projection and writes K/V to the
+        # cache in the same pass; then q/k/v are views.
+        done = self.rope.rotate_and_cache_(positions, qkv, lay.q_heads, lay.kv_heads, hd,
+                                           self.k_cache, self.v_cache, meta.slot_mapping)
         q, k, v = qkv.split([lay.q_heads * hd, lay.kv_heads * hd, lay.kv_heads * hd], dim=-1)
         q, k = q.view(-1, lay.q_heads, hd), k.view(-1, lay.kv_heads, hd)
-        if not rotated:
-            q, k = self.rope(positions, q), self.rope(positions, k)
         v = v.view(-1, lay.kv_heads, hd)
-        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not done:
+            q, k = self.rope(positions, q), self.rope(positions, k)
+            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, plan, (k, v))
         return self.o_proj(out.view(-1, lay.q_heads * hd))
 

@@ -78,12 +78,13 @@ def test_paged_attention_reads_strided_queries(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_fused_residual(dtype):
+@pytest.mark.parametrize("dim", [96, 100])  # 100: 16-lane blocks and a scalar tail
+def test_rms_norm_and_fused_residual(dtype, dim):
     g = torch.Generator().manual_seed(1)
-    norm = RMSNorm(96, 1e-5, dtype, CPU)
-    norm.weight.copy_(torch.randn(96, generator=g))
-    x = torch.randn(13, 96, generator=g).to(dtype)
-    delta = torch.randn(13, 96, generator=g).to(dtype)
+    norm = RMSNorm(dim, 1e-5, dtype, CPU)
+    norm.weight.copy_(torch.randn(dim, generator=g))
+    x = torch.randn(13, dim, generator=g).to(dtype)
+    delta = torch.randn(13, dim, generator=g).to(dtype)
     ref = norm.forward_torch(x)
     assert (cpu_ops.rms_norm(x.clone(), norm.weight, 1e-5).float() - ref.float()).abs().max() < 1e-5
     h = x.clone()
@@ -93,16 +94,45 @@ def test_rms_norm_and_fused_residual(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_leading_heads(dtype):
-    rope = RotaryEmbedding(32, 256, 10000.0, None, CPU)
+@pytest.mark.parametrize("hd", [32, 20])  # 20: the scalar loop (half a head is not 16 lanes)
+def test_rotary_in_place_on_leading_heads(dtype, hd):
+    rope = RotaryEmbedding(hd, 256, 10000.0, None, CPU)
     g = torch.Generator().manual_seed(2)
-    qkv = torch.randn(11, 7 * 32, generator=g).to(dtype)  # 5 heads rotated, 2 left alone
+    qkv = torch.randn(11, 7 * hd, generator=g).to(dtype)  # 5 heads rotated, 2 left alone
     pos = torch.randint(0, 256, (11,), generator=g)
-    ref = rope.forward_torch(pos, qkv[:, : 5 * 32].reshape(11, 5, 32))
+    ref = rope.forward_torch(pos, qkv[:, : 5 * hd].reshape(11, 5, hd))
     got = qkv.clone()
-    cpu_ops.rotary_(got, 5, 32, pos, rope.cos, rope.sin)
-    assert torch.equal(got[:, 5 * 32 :], qkv[:, 5 * 32 :])
-    assert (got[:, : 5 * 32].reshape(11, 5, 32).float() - ref.float()).abs().max() < 1e-5
+    cpu_ops.rotary_(got, 5, hd, pos, rope.cos, rope.sin)
+    assert torch.equal(got[:, 5 * hd :], qkv[:, 5 * hd :])
+    assert (got[:, : 5 * hd].reshape(11, 5, hd).float() - ref.float()).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hd", [32, 20])
+def test_rotary_kv_rotates_and_fills_the_cache(dtype, hd):
+    """The fused kernel equals torch rotary on q and k plus write_kv, slots in any order."""
+    qh, kvh, n = 4, 2, 9
+    rope = RotaryEmbedding(hd, 256, 10000.0, None, CPU)
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(n, (qh + 2 * kvh) * hd + 8, generator=g).to(dtype)
+    qkv = wide[:, :-8]  # rows of a wider buffer, as the fused projection's views are
+    pos = torch.randint(0, 256, (n,), generator=g)
+    slots = torch.randperm(6 * 4, generator=g)[:n]
+    k_ref = torch.randn(6, 4, kvh, hd, generator=g).to(dtype)
+    v_ref = torch.randn(6, 4, kvh, hd, generator=g).to(dtype)
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    q, k, v = qkv.split([qh * hd, kvh * hd, kvh * hd], dim=-1)
+    q_ref = rope.forward_torch(pos, q.reshape(n, qh, hd))
+    k_rot = rope.forward_torch(pos, k.reshape(n, kvh, hd))
+    attention.write_kv(k_rot, v.reshape(n, kvh, hd), k_ref, v_ref, slots)
+    got = wide.clone()[:, :-8]
+    cpu_ops.rotary_kv_(got, qh, kvh, hd, pos, rope.cos, rope.sin, k_got, v_got, slots)
+    assert (got[:, : qh * hd].reshape(n, qh, hd).float() - q_ref.float()).abs().max() < 1e-5
+    assert (got[:, qh * hd : (qh + kvh) * hd].reshape(n, kvh, hd).float()
+            - k_rot.float()).abs().max() < 1e-5
+    assert torch.equal(got[:, (qh + kvh) * hd :], qkv[:, (qh + kvh) * hd :])
+    assert (k_got.float() - k_ref.float()).abs().max() < 1e-5
+    assert torch.equal(v_got, v_ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

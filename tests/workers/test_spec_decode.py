@@ -67,6 +67,9 @@ class SpecDriver:
         self.last_counts: dict[int, int] = {}
 
     def _alloc(self, n: int) -> list[int]:
+        # n < 0 after rejected drafts shrank `computed`: nothing to allocate (a negative n
+        # used to move next_block back and hand one block to two requests)
+        n = max(n, 0)
         ids = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         return ids

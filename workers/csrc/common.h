@@ -66,6 +66,29 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Round to nearest even, NaN kept quiet: f32_to_bf16 on 16 lanes. AVX512-BF16 does it in one
+// instruction, which treats float32 subnormal inputs (below 1.2e-38) as zero.
+inline __m256i to_bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#endif
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u,
+                           _mm512_set1_epi32(0x400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v));
+}
+// v rounded to T's precision and back: what storing and reloading would give.
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const uint16_t*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+
 // exp(x) for x <= 0, 16 lanes: exp_nonpos's polynomial, with scalef for the 2^n.
 inline __m512 exp_nonpos16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

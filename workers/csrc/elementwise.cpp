@@ -5,51 +5,96 @@
 
 namespace {
 
+// The kernels below run 16 lanes at a time where the compiler targets AVX-512 and finish each
+// row (or all of it, elsewhere) with the scalar loop: same math, float32 inside. The scalar
+// loops alone measured 1.8-2.2 cycles per element (bf16 rounding defeats the vectorizer).
+
+template <typename T>
+void rms_norm_row(T* out, T* x, const T* residual, const T* weight, int64_t dim, float eps) {
+  int64_t d = 0;
+  float ss = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= dim; d += 16) {
+    __m512 v = load16(x + d);
+    if (residual != nullptr) {
+      v = round16(_mm512_add_ps(v, load16(residual + d)), x);
+      store16(x + d, v);
+    }
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  // x += residual, rounded to x's dtype first (as the unfused `h = h + delta` does).
+  if (residual != nullptr)
+    for (int64_t e = d; e < dim; ++e) store(x, e, load(x, e) + load(residual, e));
+#pragma omp simd reduction(+ : ss)
+  for (int64_t e = d; e < dim; ++e) ss += load(x, e) * load(x, e);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  // normalized value rounded to the model dtype, then scaled by the weight (HF's order)
+  d = 0;
+#if defined(__AVX512F__)
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; d + 16 <= dim; d += 16) {
+    const __m512 normed = round16(_mm512_mul_ps(load16(x + d), rv), x);
+    store16(out + d, _mm512_mul_ps(load16(weight + d), normed));
+  }
+#endif
+  for (; d < dim; ++d) {
+    T normed;
+    store(&normed, 0, load(x, d) * r);
+    store(out, d, load(weight, d) * load(&normed, 0));
+  }
+}
+
 template <typename T>
 void rms_norm_impl(T* out, int64_t out_stride, T* x, int64_t x_stride, const T* residual_in,
                    int64_t res_stride, const T* weight, int64_t n, int64_t dim, float eps) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    T* xi = x + i * x_stride;
-    if (residual_in != nullptr) {
-      // x += residual, rounded to x's dtype first (as the unfused `h = h + delta` does).
-      const T* ri = residual_in + i * res_stride;
-      for (int64_t d = 0; d < dim; ++d) store(xi, d, load(xi, d) + load(ri, d));
-    }
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t d = 0; d < dim; ++d) {
-      const float v = load(xi, d);
-      ss += v * v;
-    }
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    T* oi = out + i * out_stride;
-    for (int64_t d = 0; d < dim; ++d) {
-      // normalized value rounded to the model dtype, then scaled by the weight (HF's order)
-      T normed;
-      store(&normed, 0, load(xi, d) * r);
-      store(oi, d, load(weight, d) * load(&normed, 0));
-    }
+  for (int64_t i = 0; i < n; ++i)
+    rms_norm_row(out + i * out_stride, x + i * x_stride,
+                 residual_in == nullptr ? nullptr : residual_in + i * res_stride, weight, dim,
+                 eps);
+}
+
+// Rotate-half rotary embedding of one head in place; c/s: this position's cos/sin [hd/2].
+template <typename T>
+void rotate_head(T* p, const float* c, const float* s, int64_t half) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= half; d += 16) {
+    const __m512 a = load16(p + d), b = load16(p + d + half);
+    const __m512 cv = _mm512_loadu_ps(c + d), sv = _mm512_loadu_ps(s + d);
+    store16(p + d, _mm512_sub_ps(_mm512_mul_ps(a, cv), _mm512_mul_ps(b, sv)));
+    store16(p + d + half, _mm512_add_ps(_mm512_mul_ps(b, cv), _mm512_mul_ps(a, sv)));
+  }
+#endif
+  for (; d < half; ++d) {
+    const float a = load(p, d), b = load(p, d + half);
+    store(p, d, a * c[d] - b * s[d]);
+    store(p, d + half, b * c[d] + a * s[d]);
   }
 }
 
-// Rotate-half rotary embedding in place on `heads` consecutive heads of each token's row.
+// Rotates `heads` consecutive heads of each token's row of x in place. With caches, the row is
+// a fused [q | k | v] projection whose last 2 * kv_heads heads are K and V: the (rotated) K
+// and V of token i are then also copied into cache slot slots[i], as write_kv would. Slots are
+// distinct within a step (every new token owns its slot), so the copies do not race.
 template <typename T>
 void rotary_impl(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
-                 const int64_t* positions, const float* cos, const float* sin) {
+                 const int64_t* positions, const float* cos, const float* sin, T* k_cache,
+                 T* v_cache, const int64_t* slots, int64_t kv_heads) {
   const int64_t half = hd / 2;
+  const int64_t kv_width = kv_heads * hd;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const float* c = cos + positions[i] * half;
-    const float* s = sin + positions[i] * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* p = x + i * x_stride + h * hd;
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) {
-        const float a = load(p, d), b = load(p, d + half);
-        store(p, d, a * c[d] - b * s[d]);
-        store(p, d + half, b * c[d] + a * s[d]);
-      }
+    T* row = x + i * x_stride;
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_head(row + h * hd, cos + positions[i] * half, sin + positions[i] * half, half);
+    if (k_cache != nullptr) {
+      const T* k = row + (heads - kv_heads) * hd;
+      std::memcpy(k_cache + slots[i] * kv_width, k, kv_width * sizeof(T));
+      std::memcpy(v_cache + slots[i] * kv_width, k + kv_width, kv_width * sizeof(T));
     }
   }
 }
@@ -61,8 +106,19 @@ void silu_and_mul_impl(T* out, const T* x, int64_t n, int64_t inter) {
     const T* g = x + i * 2 * inter;
     const T* u = g + inter;
     T* o = out + i * inter;
-#pragma omp simd
-    for (int64_t d = 0; d < inter; ++d) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; d + 16 <= inter; d += 16) {
+      const __m512 a = load16(g + d);
+      const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)));
+      const __m512 den = _mm512_add_ps(one, e);
+      const __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ);
+      const __m512 sig = _mm512_mask_blend_ps(pos, _mm512_div_ps(e, den), _mm512_div_ps(one, den));
+      store16(o + d, _mm512_mul_ps(_mm512_mul_ps(a, sig), load16(u + d)));
+    }
+#endif
+    for (; d < inter; ++d) {
       const float a = load(g, d);
       // silu(a) = a / (1 + e^-a); e^-|a| keeps the exponent argument non-positive.
       const float e = exp_nonpos(-std::fabs(a));
@@ -130,9 +186,26 @@ void tandem_rms_norm(int dtype, void* out, int64_t out_stride, void* x, int64_t 
 void tandem_rotary(int dtype, void* x, int64_t x_stride, int64_t n, int64_t heads, int64_t hd,
                    const int64_t* positions, const float* cos, const float* sin) {
   if (dtype == 0)
-    rotary_impl(static_cast<float*>(x), x_stride, n, heads, hd, positions, cos, sin);
+    rotary_impl(static_cast<float*>(x), x_stride, n, heads, hd, positions, cos, sin,
+                static_cast<float*>(nullptr), static_cast<float*>(nullptr), nullptr, 0);
   else
-    rotary_impl(static_cast<uint16_t*>(x), x_stride, n, heads, hd, positions, cos, sin);
+    rotary_impl(static_cast<uint16_t*>(x), x_stride, n, heads, hd, positions, cos, sin,
+                static_cast<uint16_t*>(nullptr), static_cast<uint16_t*>(nullptr), nullptr,
+                0);
+}
+
+// Rotary on the q and k heads of a fused [q | k | v] row, then K and V into the cache slots.
+void tandem_rotary_kv(int dtype, void* qkv, int64_t stride, int64_t n, int64_t q_heads,
+                      int64_t kv_heads, int64_t hd, const int64_t* positions, const float* cos,
+                      const float* sin, void* k_cache, void* v_cache, const int64_t* slots) {
+  if (dtype == 0)
+    rotary_impl(static_cast<float*>(qkv), stride, n, q_heads + kv_heads, hd, positions, cos,
+                sin, static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots,
+                kv_heads);
+  else
+    rotary_impl(static_cast<uint16_t*>(qkv), stride, n, q_heads + kv_heads, hd, positions, cos,
+                sin, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slots,
+                kv_heads);
 }
 
 void tandem_silu_and_mul(int dtype, void* out, const void* x, int64_t n, int64_t inter) {
