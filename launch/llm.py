@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from launch.client import EngineClient, EngineDeadError, Tracked
+from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
     ProcessGroup,
@@ -25,7 +25,6 @@ from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
 
 Prompt = str | Sequence[int]
-Sink = queue.Queue[tuple[Tracked, WireOutput, float]]
 
 ENGINE_OPTIONS = set(EngineConfig.__struct_fields__) - {"model", "tensor_parallel_size"}
 
@@ -307,11 +306,11 @@ class LLM:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while pending:
-                tr, out, ts = _get(sink, deadline)
-                self._apply(results[tr.index], out, ts)
-                if out.finish_reason is not None:
-                    pending -= 1
-                yield results, tr, out
+                for tr, out, ts in _get(sink, deadline):
+                    self._apply(results[tr.index], out, ts)
+                    if out.finish_reason is not None:
+                        pending -= 1
+                    yield results, tr, out
         finally:
             if pending and self.client is not None and self.client.dead_reason is None:
                 self.client.abort([r.request_id for r in results if not r.finished])
@@ -354,7 +353,7 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return seq
 
 
-def _get(sink: Sink, deadline: float | None) -> tuple[Tracked, WireOutput, float]:
+def _get(sink: Sink, deadline: float | None) -> Delivery:
     while True:
         try:
             return sink.get(timeout=0.5)

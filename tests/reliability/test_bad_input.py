@@ -92,11 +92,17 @@ def _sink() -> queue.Queue:
     return queue.Queue()
 
 
+def _next(sink: queue.Queue, timeout_s: float = 60):  # type: ignore[no-untyped-def]
+    """The next output of a one-request sink (each delivery holds one output per request)."""
+    (_, out, _), = sink.get(timeout=timeout_s)
+    return out
+
+
 def _finish(sink: queue.Queue, timeout_s: float = 60) -> tuple[str, list[int], str | None]:
     tokens: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        _, out, _ = sink.get(timeout=max(0.1, deadline - time.monotonic()))
+        out = _next(sink, max(0.1, deadline - time.monotonic()))
         tokens += out.new_token_ids
         if out.finish_reason is not None:
             return out.finish_reason, tokens, out.error
@@ -126,7 +132,7 @@ def test_abort_unknown_waiting_running_finished_then_resubmit(llm: LLM) -> None:
     reason, tokens, _ = _finish(sinks["wait-c"])
     assert reason == "abort"
     # Wait until run-a produced something, then abort it while it runs.
-    _, first, _ = sinks["run-a"].get(timeout=60)
+    _next(sinks["run-a"])
     llm.abort(["run-a"])
     reason, _, _ = _finish(sinks["run-a"])
     assert reason == "abort"
@@ -192,7 +198,7 @@ def test_abort_and_resubmit_in_one_burst_is_accepted(llm: LLM) -> None:
     long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
     s1 = _sink()
     client.add_request("burst", [1, 2, 3], long, s1)
-    s1.get(timeout=60)  # running
+    _next(s1)  # running
     enc = Encoder()
     again = AddRequest(request_id="burst", prompt_token_ids=pack([4, 5]), sampling_params=long)
     with client.send_lock:  # both frames back to back, before the engine answers the abort
