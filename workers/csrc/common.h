@@ -72,13 +72,14 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline __m256i to_bf16x16(__m512 v) {
 #if defined(__AVX512BF16__)
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#endif
+#else
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
   r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u,
                            _mm512_set1_epi32(0x400000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
 }
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v));
