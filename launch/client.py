@@ -185,7 +185,7 @@ class EngineClient:
 
     def _dispatch(self, batch: EngineOutputs) -> None:
         ts = batch.timestamp
-        by_sink: dict[int, tuple[Sink, Delivery]] = {}
+        by_sink: dict[Sink, Delivery] = {}  # queues hash by identity
         with self.tracked_lock:
             for out in batch.outputs:
                 tr = self.tracked.get(out.request_id)
@@ -193,11 +193,8 @@ class EngineClient:
                     continue
                 if out.finish_reason is not None:
                     del self.tracked[out.request_id]
-                entry = by_sink.get(id(tr.sink))
-                if entry is None:
-                    entry = by_sink[id(tr.sink)] = (tr.sink, [])
-                entry[1].append((tr, out, ts))
-        for sink, delivery in by_sink.values():
+                by_sink.setdefault(tr.sink, []).append((tr, out, ts))
+        for sink, delivery in by_sink.items():
             sink.put(delivery)
 
     def _finish_locally(self, tr: Tracked, reason: str) -> None:
