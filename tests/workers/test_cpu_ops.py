@@ -38,11 +38,12 @@ def _mixed_step(block_size: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("heads,kv_heads,hd", [(8, 4, 32), (6, 6, 32), (6, 1, 32), (4, 2, 64),
-                                               (2, 1, 128), (4, 2, 48)])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(8, 4, 32), (6, 6, 32), (6, 1, 32), (5, 1, 32),
+                                               (4, 2, 64), (9, 3, 64), (2, 1, 128), (4, 2, 48)])
 def test_paged_attention_matches_torch(dtype, block_size, heads, kv_heads, hd, monkeypatch):
     """Head dims 32/64/128 take the AVX-512 paths where built (query tiles for the chunks of
-    more than 3 tokens), 48 the portable one."""
+    more than 3 tokens; decodes take a KV head's query heads in chunks of up to 4, so groups
+    of 1 to 6 cover every chunk size), 48 the portable one."""
     meta, num_blocks = _mixed_step(block_size)
     g = torch.Generator().manual_seed(0)
     shape = (num_blocks, block_size, kv_heads, hd)

@@ -102,84 +102,144 @@ constexpr int64_t kPrefetch = 16;
 // Requests with fewer new tokens than this go token by token (decodes, short drafts).
 constexpr int64_t kTileMinQueries = 4;
 
-// attend_one with AVX-512 for head dims that are a multiple of 16: QK in tiles of 16 keys
-// reduced by sum_lanes16, PV with the accumulator in registers. Same math (float32, scale on
-// q, max-subtracted softmax) in another summation order.
-template <typename T, int HD>
-void attend_one_avx512(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_head,
-                       const T* k_cache, const T* v_cache, const int32_t* blocks,
-                       int64_t n_keys, int64_t block_size, int64_t kv_heads, int64_t kvh,
-                       int64_t group, float scale, std::vector<float>& scores) {
-  static_assert(HD % 16 == 0 && HD > 0, "head dim must be a multiple of 16");
+// attend_one with AVX-512 for head dims that are a multiple of 16, for GC query heads of one KV
+// head at once: each K and V row is loaded and converted once for all GC heads (a second pass
+// per head found the rows in L1, but the loads, conversions and block-table walk were a third
+// of the kernel's instructions). QK runs in tiles of 16 keys reduced by sum_lanes16; PV keeps
+// the accumulators in registers. With AVX512-BF16 and bf16 caches, QK multiplies the bf16 q
+// and k directly (vdpbf16ps: exact products, float32 sums) and scales the dot afterwards:
+// one instruction per 32 elements instead of two loads, two widenings and two FMAs.
+// Same math (float32 scores, max-subtracted softmax) in another summation order.
+template <typename T, int HD, int GC>
+void attend_heads_avx512(T* out, const T* q, const T* k_cache, const T* v_cache,
+                         const int32_t* blocks, int64_t n_keys, int64_t block_size,
+                         int64_t kv_heads, int64_t kvh, float scale, std::vector<float>& scores) {
+  static_assert(HD % 32 == 0 && HD > 0, "head dim must be a multiple of 32");
   constexpr int NV = HD / 16;
+#if defined(__AVX512BF16__)
+  constexpr bool kDot = std::is_same_v<T, uint16_t>;
+#else
+  constexpr bool kDot = false;
+#endif
   const int64_t slot_stride = kv_heads * HD;
   const int64_t padded = (n_keys + 15) & ~int64_t{15};
-  scores.resize(group * padded);
+  scores.resize(GC * padded);
   const T* k_head = k_cache + kvh * HD;
   const T* v_head = v_cache + kvh * HD;
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 qv[NV];
+  __m512 qv[GC][NV];  // float32 q * scale (kDot: unused)
+  __m512i qb[GC][NV / 2];  // raw bf16 q, 32 elements per register (kDot only)
+  for (int g = 0; g < GC; ++g) {
     for (int v = 0; v < NV; ++v)
-      qv[v] = _mm512_mul_ps(load16(q + g * q_stride_head + 16 * v), _mm512_set1_ps(scale));
-    float* sc = scores.data() + g * padded;
-    int64_t b = 0, o = 0;  // block-table index and offset of the next key
-    // The first pass also prefetches K and V rows kPrefetch keys ahead: in a real step this
-    // layer's cache was evicted by the other layers and the LM head, and a 64-byte row every
-    // slot stride is a pattern the hardware prefetcher follows poorly (measured 2x slower
-    // than with the cache warm).
-    int64_t pb = 0, po = 0, pj = 0;
-    auto prefetch_next = [&]() {
-      if (g != 0 || pj >= n_keys) return;
-      // The first KV head's task fetches the whole slot (every head's row): the tasks of one
-      // token's other heads follow on the same thread and find their rows cached, and the
-      // memory stream is contiguous instead of one 64-byte row per slot stride.
-      const int64_t off = (static_cast<int64_t>(blocks[pb]) * block_size + po) * slot_stride;
-      const T* kr = kvh == 0 ? k_cache + off : k_head + off;
-      const T* vr = kvh == 0 ? v_cache + off : v_head + off;
-      const int64_t bytes = (kvh == 0 ? slot_stride : HD) * static_cast<int64_t>(sizeof(T));
-      for (int64_t c = 0; c < bytes; c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(kr) + c, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vr) + c, _MM_HINT_T1);
-      }
-      if (++po == block_size) po = 0, ++pb;
-      ++pj;
-    };
-    for (int64_t i = 0; i < kPrefetch; ++i) prefetch_next();
-    for (int64_t j0 = 0; j0 < n_keys; j0 += 16) {
-      const int64_t n = n_keys - j0 < 16 ? n_keys - j0 : 16;
-      __m512 part[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        if (i >= n) {
-          part[i] = _mm512_setzero_ps();
-          continue;
-        }
-        prefetch_next();
-        const T* k = k_head + (static_cast<int64_t>(blocks[b]) * block_size + o) * slot_stride;
-        __m512 a = _mm512_mul_ps(qv[0], load16(k));
-        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a);
-        part[i] = a;
-        if (++o == block_size) o = 0, ++b;
-      }
-      _mm512_storeu_ps(sc + j0, sum_lanes16(part));
+      qv[g][v] = _mm512_mul_ps(load16(q + g * HD + 16 * v), _mm512_set1_ps(scale));
+    if constexpr (kDot)
+      for (int v = 0; v < NV / 2; ++v) qb[g][v] = _mm512_loadu_si512(q + g * HD + 32 * v);
+  }
+  // Prefetch K and V rows kPrefetch keys ahead: in a real step this layer's cache was evicted
+  // by the other layers and the LM head, and a 64-byte row every slot stride is a pattern the
+  // hardware prefetcher follows poorly (measured 2x slower than with the cache warm). The first
+  // KV head's task fetches the whole slot (every head's row): the tasks of one token's other
+  // heads follow on the same thread and find their rows cached, and the memory stream is
+  // contiguous instead of one 64-byte row per slot stride.
+  int64_t pb = 0, po = 0, pj = 0;
+  auto prefetch_next = [&]() {
+    if (pj >= n_keys) return;
+    const int64_t off = (static_cast<int64_t>(blocks[pb]) * block_size + po) * slot_stride;
+    const T* kr = kvh == 0 ? k_cache + off : k_head + off;
+    const T* vr = kvh == 0 ? v_cache + off : v_head + off;
+    const int64_t bytes = (kvh == 0 ? slot_stride : HD) * static_cast<int64_t>(sizeof(T));
+    for (int64_t c = 0; c < bytes; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kr) + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vr) + c, _MM_HINT_T1);
     }
-    const float sum = exp_minus_max(sc, n_keys);
-    __m512 acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
-    b = 0, o = 0;
-    for (int64_t j = 0; j < n_keys; ++j) {
-      const T* vr = v_head + (static_cast<int64_t>(blocks[b]) * block_size + o) * slot_stride;
-      const __m512 p = _mm512_set1_ps(sc[j]);
-      for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(p, load16(vr + 16 * v), acc[v]);
+    if (++po == block_size) po = 0, ++pb;
+    ++pj;
+  };
+  for (int64_t i = 0; i < kPrefetch; ++i) prefetch_next();
+  int64_t b = 0, o = 0;  // block-table index and offset of the next key
+  for (int64_t j0 = 0; j0 < n_keys; j0 += 16) {
+    const int64_t n = n_keys - j0 < 16 ? n_keys - j0 : 16;
+    __m512 part[GC][16];
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i >= n) {
+        for (int g = 0; g < GC; ++g) part[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      prefetch_next();
+      const T* k = k_head + (static_cast<int64_t>(blocks[b]) * block_size + o) * slot_stride;
+      if constexpr (kDot) {
+        __m512i kb[NV / 2];
+        for (int v = 0; v < NV / 2; ++v) kb[v] = _mm512_loadu_si512(k + 32 * v);
+        for (int g = 0; g < GC; ++g) {
+          __m512 a = _mm512_setzero_ps();
+          for (int v = 0; v < NV / 2; ++v)
+            a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(qb[g][v]),
+                                 reinterpret_cast<__m512bh>(kb[v]));
+          part[g][i] = a;
+        }
+      } else {
+        __m512 kf[NV];
+        for (int v = 0; v < NV; ++v) kf[v] = load16(k + 16 * v);
+        for (int g = 0; g < GC; ++g) {
+          __m512 a = _mm512_mul_ps(qv[g][0], kf[0]);
+          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[g][v], kf[v], a);
+          part[g][i] = a;
+        }
+      }
       if (++o == block_size) o = 0, ++b;
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (int g = 0; g < GC; ++g) {
+      __m512 s = sum_lanes16(part[g]);
+      if constexpr (kDot) s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+      _mm512_storeu_ps(scores.data() + g * padded + j0, s);
+    }
+  }
+  float inv_sum[GC];
+  for (int g = 0; g < GC; ++g) inv_sum[g] = 1.0f / exp_minus_max(scores.data() + g * padded, n_keys);
+  __m512 acc[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+  b = 0, o = 0;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const T* vr = v_head + (static_cast<int64_t>(blocks[b]) * block_size + o) * slot_stride;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+    for (int g = 0; g < GC; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + j]);
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+    }
+    if (++o == block_size) o = 0, ++b;
+  }
+  for (int g = 0; g < GC; ++g) {
     alignas(64) float res[HD];
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(res + 16 * v, _mm512_mul_ps(acc[v], inv));
-    T* dst = out + g * out_stride_head;
-    for (int d = 0; d < HD; ++d) store(dst, d, res[d]);
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(res + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+    for (int d = 0; d < HD; ++d) store(out + g * HD, d, res[d]);
   }
 }
 
+// One query token, all `group` query heads of KV head kvh, in chunks of up to 4 heads (more
+// would spill the QK partial sums out of the 32 vector registers).
+template <typename T, int HD>
+void attend_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache,
+                       const int32_t* blocks, int64_t n_keys, int64_t block_size,
+                       int64_t kv_heads, int64_t kvh, int64_t group, float scale,
+                       std::vector<float>& scores) {
+  for (int64_t g = 0; g < group;) {
+    const int64_t c = group - g < 4 ? group - g : 4;
+    auto run = [&](auto gc) {
+      attend_heads_avx512<T, HD, decltype(gc)::value>(out + g * HD, q + g * HD, k_cache,
+                                                      v_cache, blocks, n_keys, block_size,
+                                                      kv_heads, kvh, scale, scores);
+    };
+    switch (c) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{});
+    }
+    g += c;
+  }
+}
 
 // Query tiles: up to 16 consecutive new tokens of one request (the first at position pos0)
 // against keys 0 .. pos0 + nq - 1, causal, for the `group` query heads of KV head kvh. The
@@ -306,10 +366,10 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
         const int64_t pos0 = seq_lens[w.r] - q_len + (w.t0 - query_start_loc[w.r]);
         const int32_t* blocks = block_table + w.r * bt_stride;
         if (w.nq == 1)
-          attend_one_avx512<T, HD>(out + w.t0 * out_stride_tok + kvh * group * hd, hd,
-                                   q + w.t0 * q_stride_tok + kvh * group * hd, hd, k_cache,
-                                   v_cache, blocks, pos0 + 1, block_size, kv_heads, kvh, group,
-                                   scale, buf);
+          attend_one_avx512<T, HD>(out + w.t0 * out_stride_tok + kvh * group * hd,
+                                   q + w.t0 * q_stride_tok + kvh * group * hd, k_cache, v_cache,
+                                   blocks, pos0 + 1, block_size, kv_heads, kvh, group, scale,
+                                   buf);
         else
           attend_tile_avx512<T, HD>(out + w.t0 * out_stride_tok, out_stride_tok,
                                     q + w.t0 * q_stride_tok, q_stride_tok, k_cache, v_cache,
