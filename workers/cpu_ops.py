@@ -48,10 +48,14 @@ _SIGNATURES: dict[str, list] = {
     "tandem_shm_wait": [_ptr, _i64, _int, _i64, _i64],
     "tandem_shm_sum": [_int, _ptr, _ptr, _i64, _int, _i64],
     "tandem_attention_any_length": [_i64],
+    "tandem_bf16_matmul_available": [],
+    "tandem_pack_bf16_pairs": [_ptr, _i64, _i64, _ptr],
+    "tandem_bf16_matmul": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr],
     "tandem_set_num_threads": [_int],
     "tandem_num_threads": [],
 }
-_RETURNS_INT = ("tandem_num_threads", "tandem_shm_wait", "tandem_attention_any_length")
+_RETURNS_INT = ("tandem_num_threads", "tandem_shm_wait", "tandem_attention_any_length",
+                "tandem_bf16_matmul_available")
 
 
 # Tests flip this to compare the kernels with the torch path in one process.
@@ -246,3 +250,43 @@ def argmax(x: torch.Tensor, cols: int | None = None) -> tuple[torch.Tensor, torc
     lib.tandem_argmax(_code(x), idx.data_ptr(), val.data_ptr(), x.data_ptr(), x.stride(0), n,
                       x.shape[1] if cols is None else cols)
     return val, idx
+
+
+def bf16_matmul_available() -> bool:
+    """Whether pack_bf16_pairs/bf16_matmul are built (the CPU has AVX512-BF16)."""
+    lib = ops()
+    return ENABLED and lib is not None and bool(lib.tandem_bf16_matmul_available())
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 linear weight [N, K] (K even) in bf16_matmul's layout: panels of 16 output
+    columns, each [K/2][16][2]; the columns past N are zero."""
+    lib = _lib_or_raise()
+    assert weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
+    n, k = weight.shape
+    assert k % 2 == 0, "bf16_matmul takes an even inner dimension"
+    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+    lib.tandem_pack_bf16_pairs(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, logits: bool = True,
+                argmax_cols: int = 0
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """x [M, K] bf16 @ W^T with W [n, K] packed by pack_bf16_pairs -> (y [M, n] bf16 or None,
+    argmax ids [M] int64 or None, max values [M] float32 or None). With argmax_cols > 0, each
+    row's first column in [0, argmax_cols) holding the max of the bf16 values (NaN skipped);
+    the values are the ones y holds, summed in the same order whatever the call."""
+    lib = _lib_or_raise()
+    m, k = x.shape
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == -(-n // 16) * 16 * k
+    y = torch.empty(m, n, dtype=torch.bfloat16) if logits else None
+    idx = val = None
+    if argmax_cols > 0:
+        idx = torch.empty(m, dtype=torch.int64)
+        val = torch.empty(m, dtype=torch.float32)
+    lib.tandem_bf16_matmul(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+                           None if y is None else y.data_ptr(), n, argmax_cols,
+                           None if idx is None else idx.data_ptr(),
+                           None if val is None else val.data_ptr())
+    return y, idx, val

@@ -111,13 +111,33 @@ class ParallelLMHead(nn.Module):
         self.tied = embedding
         self.weight = None if embedding is not None else _param((self.rows, hidden), dtype, device)
         self.packed: torch.Tensor | None = None
+        # bf16 on a CPU with AVX512-BF16: the weight in cpu_ops.bf16_matmul's layout, which
+        # also serves greedy decoding with a fused argmax (no logits written).
+        self.pairs: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        self.packed = prepack(self.tied.weight if self.tied is not None else self.weight)
+        weight = self.tied.weight if self.tied is not None else self.weight
+        if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and weight.shape[1] % 2 == 0 and cpu_ops.bf16_matmul_available()):
+            self.pairs = cpu_ops.pack_bf16_pairs(weight.detach().contiguous())
+        else:
+            self.packed = prepack(weight)
+
+    def _pairs_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.pairs is not None and hidden.dtype == torch.bfloat16 and hidden.dim() == 2 \
+                and cpu_ops.active(hidden):
+            return self.pairs
+        return None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
-        logits = linear(hidden, weight, self.packed).float()
+        pairs = self._pairs_for(hidden)
+        if pairs is not None:
+            y = cpu_ops.bf16_matmul(hidden.contiguous(), pairs, self.rows)[0]
+            assert y is not None
+            logits = y.float()
+        else:
+            logits = linear(hidden, weight, self.packed).float()
         return tp_all_gather(logits, dim=-1)[..., : self.vocab]
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,12 +149,19 @@ class ParallelLMHead(nn.Module):
         """
         weight = self.tied.weight if self.tied is not None else self.weight
         pad = max(0, self.start + self.rows - self.vocab)  # padding rows of the last shard
-        logits = linear(hidden, weight, self.packed)
-        if cpu_ops.active(logits):
+        pairs = self._pairs_for(hidden) if self.rows > pad else None
+        if pairs is not None:
+            # The argmax runs on each register tile of the matmul: no logits are written.
+            _, found, top = cpu_ops.bf16_matmul(hidden.contiguous(), pairs, self.rows,
+                                                logits=False, argmax_cols=self.rows - pad)
+            assert found is not None and top is not None
+            best, idx = top, found
+        elif cpu_ops.active(hidden):
+            logits = linear(hidden, weight, self.packed)
             # One pass over the model-dtype logits: no float32 copy, no masking pass.
             best, idx = cpu_ops.argmax(logits, cols=max(0, self.rows - pad))
         else:
-            logits = logits.float()
+            logits = linear(hidden, weight, self.packed).float()
             if pad > 0:
                 logits[:, self.rows - pad :] = float("-inf")
             best, idx = logits.max(dim=-1)

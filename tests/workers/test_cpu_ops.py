@@ -161,6 +161,55 @@ def test_argmax_takes_the_lowest_tied_index_within_cols(dtype):
     assert np.array_equal(idx.numpy(), ref_idx.numpy())
 
 
+needs_bf16_matmul = pytest.mark.skipif(not cpu_ops.bf16_matmul_available(),
+                                       reason="the CPU has no AVX512-BF16")
+
+
+@needs_bf16_matmul
+@pytest.mark.parametrize("m,n,k", [(1, 33, 2), (7, 1000, 576), (64, 3000, 256), (13, 16, 64)])
+def test_bf16_matmul_logits_and_fused_argmax(m, n, k):
+    """Row counts off the 6-row tile, column counts off the 64-column tile; the logits are the
+    exact products rounded to bf16, up to float32 summation error; the fused argmax equals
+    torch.argmax over the kernel's own logits."""
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    packed = cpu_ops.pack_bf16_pairs(w)
+    y, idx, val = cpu_ops.bf16_matmul(x, packed, n, argmax_cols=n)
+    assert y is not None and idx is not None and val is not None
+    exact = x.double() @ w.double().T
+    # bf16 rounding (half a step: 2^-8 relative) plus float32 summation error
+    sums = x.double().abs() @ w.double().abs().T
+    assert ((y.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-6 * sums).all()
+    assert idx.tolist() == y.float().argmax(-1).tolist()
+    assert torch.equal(val, y.float().max(-1).values)
+    # argmax alone (no logits written), over the first columns only
+    none, idx2, _ = cpu_ops.bf16_matmul(x, packed, n, logits=False, argmax_cols=n - n // 3)
+    assert none is None and idx2 is not None
+    assert idx2.tolist() == y[:, : n - n // 3].float().argmax(-1).tolist()
+
+
+@needs_bf16_matmul
+def test_bf16_matmul_argmax_ties_nan_and_column_ranges():
+    """Ties go to the lowest column, across lanes, tiles and threads; a NaN column never wins;
+    a column's value does not depend on which other columns are in the call (TP shards)."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 4000, 128
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(4, k, generator=g).bfloat16()
+    big = x[0].float() * 10
+    w[3990] = w[17] = w[2100] = big.bfloat16()  # row 0's top column, three times
+    w[5] = float("nan")
+    y, idx, _ = cpu_ops.bf16_matmul(x, cpu_ops.pack_bf16_pairs(w), n, argmax_cols=n)
+    assert y is not None and idx is not None
+    assert idx[0] == 17
+    assert torch.isnan(y[:, 5]).all() and (idx != 5).all()
+    half, idx_half, _ = cpu_ops.bf16_matmul(x, cpu_ops.pack_bf16_pairs(w[2000:].contiguous()),
+                                            n - 2000, argmax_cols=n - 2000)
+    assert half is not None and idx_half is not None
+    assert torch.equal(half, y[:, 2000:]) and idx_half[0] == 2100 - 2000
+
+
 def test_model_step_with_batched_fresh_prefills_matches_torch_path(monkeypatch):
     """Equal-length fresh prefills (one batched SDPA call on the new K/V), another length and
     a decode in one step: the same logits as with the kernels off."""
