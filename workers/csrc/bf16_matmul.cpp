@@ -184,7 +184,8 @@ void tandem_bf16_matmul(const uint16_t* x, int64_t x_stride, int64_t m, int64_t 
                         const uint16_t* wp, int64_t n, uint16_t* y, int64_t y_stride,
                         int64_t argmax_cols, int64_t* idx, float* val) {
 #if defined(__AVX512BF16__)
-  matmul({x, x_stride, m, k, wp, n, y, y_stride, argmax_cols}, idx, val);
+  // Columns past n are the packing's zero padding: never argmax candidates.
+  matmul({x, x_stride, m, k, wp, n, y, y_stride, argmax_cols < n ? argmax_cols : n}, idx, val);
 #else
   (void)x, (void)x_stride, (void)m, (void)k, (void)wp, (void)n, (void)y, (void)y_stride;
   (void)argmax_cols, (void)idx, (void)val;
