@@ -1,10 +1,12 @@
 // bf16 matmul on AVX512-BF16 dot-product instructions, with an optional fused argmax: the LM
 // head. y[M, N] = x[M, K] @ W[N, K]^T, float32 sums rounded to bf16.
 //
-// Why not oneDNN: at decode shapes (M = 64 rows against a 32000 x 256 head) its bf16 kernel ran
-// at 340 GFLOP/s on this project's 2-core CI machine kind, where this register tiling runs at
-// 420; and greedy decoding needs only each row's argmax, so the fused form never writes the
-// logits (8 MB per step at M = 64) or reads them back.
+// Why not oneDNN: at decode shapes (M = 64 rows against a 32000 x 256 head, 2 threads of this
+// project's 2-core CI machine kind) its bf16 matmul plus a separate argmax took 3.07 ms, where
+// this register tiling with the argmax in its epilogue takes 2.6-2.9 ms (390-420 GFLOP/s):
+// greedy decoding needs only each row's argmax, so the logits (4 MB per step) are never written
+// or read back. With logits written it is on par with oneDNN; at prefill-sized M it is slower,
+// which is why only the LM head uses it.
 //
 // The weight is packed once (tandem_pack_bf16_pairs) into panels of 16 output columns, each
 // panel [K/2][16][2]: one 64-byte row per pair of k, which is what vdpbf16ps multiplies. Every
