@@ -14,7 +14,6 @@
 // count or column range, so a column's value is the same on every rank and in both modes.
 
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "common.h"
