@@ -51,6 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     )
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--attention-backend", default=d.attention_backend,
+                   choices=["auto", "torch", "cpu", "triton"],
+                   help="attention kernels, chosen once per worker (auto: triton on CUDA, "
+                   "the C++ kernels on CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode steps")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

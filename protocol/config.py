@@ -34,6 +34,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_speculative_tokens: int = 0  # drafts per request per step (K)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # auto | torch | cpu | triton: the attention backend every worker picks once at start-up
+    # (auto: triton on CUDA, the C++ kernels on CPU where they build, else torch)
+    attention_backend: str = "auto"
+    # no CUDA graphs: decode steps run eagerly too (vLLM's --enforce-eager)
+    enforce_eager: bool = False
     debug_invariants: bool = False  # check block-pool invariants after every step
     enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
     worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung
@@ -42,6 +47,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 def config_error(config: EngineConfig) -> str | None:
     """Why these options cannot work together, or None; checked before anything starts."""
+    if config.attention_backend not in ("auto", "torch", "cpu", "triton"):
+        return (f"unknown attention_backend {config.attention_backend!r}; "
+                "expected auto, torch, cpu or triton")
     if config.speculative_ngram < 0 or config.num_speculative_tokens < 0:
         return "speculative_ngram and num_speculative_tokens must be >= 0"
     if config.speculative_ngram and not config.num_speculative_tokens:
