@@ -90,6 +90,18 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--debug-invariants", action="store_true")
+    g.add_argument(
+        "--scheduler-reserve-full-isl",
+        action="store_true",
+        help="admit a request only if the KV cache can hold its whole sequence "
+        "(prompt + max_tokens), not just its first chunk",
+    )
+    g.add_argument(
+        "--scheduler-trace",
+        default=None,
+        metavar="PATH",
+        help="write one JSON line per scheduler step to PATH (see README: scheduler trace)",
+    )
     g.add_argument("--enable-checksum", action="store_true")
     g.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
 
