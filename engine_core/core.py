@@ -215,6 +215,9 @@ class EngineCore:
         so, (t0, t1, t2, t3), nbytes = in_flight.popleft()
         out = self._wait_for_output(so.step_id)
         t4 = time.perf_counter()
+        trace = self.scheduler.trace
+        if trace is not None:  # the step's wall time: schedule start to the model output
+            trace.set_wall_time(so.step_id, t4 - t0)
         outputs = self.scheduler.update_from_output(so, out)
         if self.config.debug_invariants:
             self.scheduler.check_invariants()
@@ -454,6 +457,9 @@ class EngineCore:
             pass
 
     def close(self, reason: str = "") -> None:
+        scheduler: Scheduler | None = getattr(self, "scheduler", None)  # None before handshake
+        if scheduler is not None:
+            scheduler.close()  # finishes the scheduler trace file
         try:
             self.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:

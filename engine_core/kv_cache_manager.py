@@ -119,6 +119,21 @@ class KVCacheManager:
         request.kv_fast_limit = limit
         return new_blocks
 
+    def num_blocks_to_hold(
+        self,
+        request: Request,
+        num_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> int:
+        """How many blocks ``request`` would still take from the free queue to hold
+        ``num_tokens`` KV slots: new blocks past what it holds (and its prefix-cache hits
+        cover), plus the hits that sit in the free queue (touching them takes them out)."""
+        hits = new_computed_blocks or ()
+        held = len(self.req_to_blocks.get(request.request_id, ())) + len(hits)
+        need = -(-num_tokens // self.block_size) - held
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        return (need if need > 0 else 0) + evictable_hits
+
     def free(self, request: Request) -> None:
         """Release a request's blocks tail first, so its shared prefix is evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

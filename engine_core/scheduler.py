@@ -5,7 +5,9 @@ request part of the gap between them. Decodes (gap 1), prefill chunks (gap = res
 prompt), recompute after preemption and speculative drafts are all the same rule.
 
 Order: running requests first, in admission order; on KV exhaustion the scheduler preempts
-(recompute) and retries. Waiting requests are admitted only if nothing was preempted.
+(recompute) and retries. Waiting requests are admitted only if nothing was preempted; with
+scheduler_reserve_full_isl only if the free blocks cover the request's whole sequence on top of
+what the running requests still need for theirs, so admitted requests never preempt each other.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine_core.ngram_proposer import NgramProposer
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
 from engine_core.scheduler_output_builder import StepDiff
+from engine_core.scheduler_trace import SchedulerTrace, trace_header
 from protocol.codec import pack, unpack
 from protocol.config import EngineConfig
 from protocol.messages import (
@@ -33,6 +36,13 @@ PREEMPTED = RequestStatus.PREEMPTED
 STOPPED = RequestStatus.FINISHED_STOPPED
 LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _NO_BLOCKS: list = []  # never mutated: "allocated nothing new"
+
+
+def _full_len(req: Request) -> int:
+    """KV slots a request holds at the end of its life: every token but the last sampled one
+    (it is never fed back), and at least its prompt (a prompt of max_model_len tokens)."""
+    n = req.length_limit - 1
+    return n if n > req.num_tokens else req.num_tokens
 
 
 class Scheduler:
@@ -53,6 +63,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.long_prefill_token_threshold = max(0, config.long_prefill_token_threshold)
         self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.reserve_full_isl = config.scheduler_reserve_full_isl
         self.policy = config.scheduling_policy
         self.eos_token_id = eos_token_id
         self.kv_cache_manager = KVCacheManager(
@@ -83,6 +94,10 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafts sent for verification
         self.num_accepted_tokens = 0  # drafts the target model agreed with
         self.num_spec_verifications = 0  # (request, step) pairs that carried drafts
+        # the per-step trace (scheduler_trace.py); every hook sits behind one None test
+        self.trace: SchedulerTrace | None = None
+        if config.scheduler_trace:
+            self.trace = SchedulerTrace(config.scheduler_trace, trace_header(self))
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -95,6 +110,8 @@ class Scheduler:
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
             request.error = reason
+            if self.trace is not None:
+                self.trace.on_arrival(request, refused=True)
             self._pending_outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
@@ -108,6 +125,8 @@ class Scheduler:
         self.kv_cache_manager.attach_hasher(request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if self.trace is not None:
+            self.trace.on_arrival(request, refused=False)
 
     def _refusal_reason(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
@@ -131,6 +150,9 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         assert RequestStatus.is_finished(finished_status), finished_status
+        if self.trace is not None:
+            request_ids = list(request_ids)
+            self.trace.on_abort(request_ids, FINISH_REASONS[finished_status])
         from_waiting: list[Request] = []
         from_running: set[int] = set()
         for rid in request_ids:
@@ -187,6 +209,8 @@ class Scheduler:
         if diff.spec:
             self._spec_by_step[step_id] = diff.spec
         finished, self._finished_handles = self._finished_handles, []
+        if self.trace is not None:
+            self.trace.on_schedule(self, diff, step_id)
         return diff.build(step_id, finished, len(self.running))
 
     def _schedule_running(self, diff: StepDiff, budget: int) -> int:
@@ -294,6 +318,8 @@ class Scheduler:
     def _finish_in_schedule(self, req: Request, status: RequestStatus, diff: StepDiff) -> None:
         diff.forget(req.handle)  # type: ignore[arg-type]
         self._free_request(req, status)
+        if self.trace is not None:
+            self.trace.on_finish(req, FINISH_REASONS[status])
         self._pending_outputs.append(
             RequestOutput(
                 request_id=req.request_id, new_token_ids=[], finish_reason=FINISH_REASONS[status]
@@ -306,6 +332,8 @@ class Scheduler:
         kvm = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         chunked = self.enable_chunked_prefill
+        gate = self.reserve_full_isl
+        reserved = -1  # gate: blocks the running requests still need to reach their full length
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek_request()
             hits, num_hit = kvm.get_computed_blocks(req)
@@ -313,11 +341,20 @@ class Scheduler:
             # without chunking a prompt must fit whole (unless it could never fit)
             if not chunked and budget < n <= self.max_num_batched_tokens:
                 break
+            if gate:
+                if reserved < 0:
+                    reserved = sum(kvm.num_blocks_to_hold(r, _full_len(r)) for r in running)
+                # alone it is admitted anyway: waiting would not make more room
+                need = kvm.num_blocks_to_hold(req, _full_len(req), hits)
+                if running and need + reserved > kvm.num_free_blocks:
+                    break
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - num_hit)
             if kvm.allocate_slots(req, n, num_hit, hits) is None:
                 break
+            if gate:
+                reserved += kvm.num_blocks_to_hold(req, _full_len(req))
             waiting.pop_request()
             running.append(req)
             req.status = RUNNING
@@ -371,6 +408,8 @@ class Scheduler:
         if counts is None and spec is None:
             if self._update_one_token_each(handles, tokens, outputs):
                 self.running = [r for r in self.running if r.status == RUNNING]
+            if self.trace is not None:
+                self.trace.on_update(scheduler_output.step_id, outputs)
             return outputs
         pos = 0
         for k, handle in enumerate(handles):
@@ -405,6 +444,8 @@ class Scheduler:
                 finished.append(req)
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
+        if self.trace is not None:
+            self.trace.on_update(scheduler_output.step_id, outputs)
         return outputs
 
     def _append_tokens(
@@ -520,6 +561,12 @@ class Scheduler:
             "spec_mean_accepted_len": 1.0
             + self.num_accepted_tokens / max(1, self.num_spec_verifications),
         }
+
+    def close(self) -> None:
+        """Finish the trace file (steps still in flight are written without a wall time)."""
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
 
     def check_invariants(self) -> None:
         kvm = self.kv_cache_manager
