@@ -47,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     g.add_argument(
         "--model",
         default=default_model,
-        help="dummy:tiny, smollm2, a Hugging Face directory or a .gguf file",
+        help="dummy:tiny, dummy:llama-1b, dummy:llama-8b, dummy:qwen2-0.5b (real shapes, random "
+        "weights), smollm2, a Hugging Face directory or a .gguf file",
     )
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
@@ -61,7 +62,15 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory)
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
+                   help="KV cache bytes per rank, e.g. 512M (default: 256M on CPU; on CUDA "
+                   "sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="share of each GPU the engine may use: the KV cache gets what is left "
+                   "after the weights and a profile forward (default 0.9)")
+    g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape (a Hugging Face directory "
+                   "needs only config.json)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

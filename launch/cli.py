@@ -98,6 +98,8 @@ def summarize(outs: list[RequestOutput], elapsed: float) -> dict[str, Any]:
 
 def run_node(args: argparse.Namespace) -> int:
     """--node-rank > 0: only this node's workers, connected to the master's engine core."""
+    import msgspec
+
     from launch.processes import ProcessGroup, base_env, start_workers
     from protocol.config import EngineConfig
     from protocol.transport import tcp_endpoints
@@ -108,6 +110,15 @@ def run_node(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.nproc_per_node * args.nnodes,
         **engine_options(args),
     )
+    from workers.device_check import check_node
+
+    try:  # this node's ranks and GPUs, before anything is spawned
+        device = check_node(config.device, config.dtype, tp_size=config.tensor_parallel_size,
+                            local_ranks=args.nproc_per_node)
+    except ValueError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
+    config = msgspec.structs.replace(config, device=device)
     group = ProcessGroup()
     env = base_env(config, tcp_endpoints(args.master_addr, port + 1))
     try:

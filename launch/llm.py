@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
+
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
@@ -73,6 +75,16 @@ class LLM:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} is not divisible by nnodes {nnodes}"
             )
+        run_config = self.config
+        if start_workers:
+            # Before anything is spawned: a rank without a GPU, or a dtype the GPU cannot run,
+            # is an error that says what to do; "auto" becomes the device every rank will use.
+            from workers.device_check import check_node
+
+            device = check_node(self.config.device, self.config.dtype,
+                                tp_size=tensor_parallel_size,
+                                local_ranks=tensor_parallel_size // nnodes)
+            run_config = msgspec.structs.replace(self.config, device=device)
         endpoints, self._ipc_dir = ipc_endpoints()
         port = master_port or free_port()
         if nnodes > 1 or not start_workers:
@@ -85,7 +97,7 @@ class LLM:
                 broadcast=remote.broadcast,
                 results=remote.results,
             )
-        env = base_env(self.config, endpoints)
+        env = base_env(run_config, endpoints)
         atexit.register(self.shutdown)
         try:
             start_engine_core(self.group, env, tensor_parallel_size)

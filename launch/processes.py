@@ -7,17 +7,22 @@ MASTER_ADDR, MASTER_PORT) plus TANDEM_CONFIG and TANDEM_ENDPOINTS. Each child:
 - is killed by the kernel if the launcher dies (PR_SET_PDEATHSIG), so nothing is orphaned even
   when the launcher gets SIGKILL.
 A watcher thread polls the children every 50 ms; the first one to exit, when nobody asked it to,
-is reported once with a one-line cause and everything else is torn down.
+is reported once with a one-line cause and everything else is torn down. The cause includes the
+reason the child wrote to its TORCHELASTIC_ERROR_FILE (torchrun's convention), so a rank that
+fails before it connects anywhere is still reported as "worker rank 1 (pid P) exited with code 1:
+DeviceError: ...", not only by its exit code.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.config import EngineConfig
+from protocol.error_file import ERROR_FILE_ENV, read_error_file
 from protocol.transport import Endpoints
 
 WATCH_INTERVAL_S = 0.05
@@ -60,6 +66,13 @@ def describe_exit(code: int) -> str:
 class Child:
     name: str  # "engine core" or "worker rank N"
     proc: subprocess.Popen[bytes]
+    error_file: str | None = None
+
+    def describe(self, code: int) -> str:
+        """"worker rank 1 (pid P) exited with code 1[: the reason it wrote]"."""
+        text = f"{self.name} (pid {self.proc.pid}) {describe_exit(code)}"
+        reason = read_error_file(self.error_file) if self.error_file else None
+        return f"{text}: {reason}" if reason else text
 
 
 @dataclass
@@ -71,15 +84,19 @@ class ProcessGroup:
     failure: str | None = None
     _stopping: bool = False
     _watcher: threading.Thread | None = None
+    _error_dir: str | None = None
 
     def start(self, name: str, module: str, env: Mapping[str, str]) -> Child:
+        if self._error_dir is None:
+            self._error_dir = tempfile.mkdtemp(prefix="tandem-err-")  # 0700
+        error_file = os.path.join(self._error_dir, f"{len(self.children)}.json")
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
-            env=dict(env),
+            env={**env, ERROR_FILE_ENV: error_file},
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-        child = Child(name, proc)
+        child = Child(name, proc, error_file)
         self.children.append(child)
         return child
 
@@ -92,7 +109,7 @@ class ProcessGroup:
             for c in self.children:
                 code = c.proc.poll()
                 if code is not None and not self._stopping:
-                    self.failure = f"{c.name} (pid {c.proc.pid}) {describe_exit(code)}"
+                    self.failure = c.describe(code)
                     if self.on_failure is not None:
                         self.on_failure(self.failure)
                     self.terminate()
@@ -103,7 +120,7 @@ class ProcessGroup:
         for c in self.children:
             code = c.proc.poll()
             if code is not None:
-                return f"{c.name} (pid {c.proc.pid}) {describe_exit(code)}"
+                return c.describe(code)
         return None
 
     def terminate(self, grace_s: float = 2.0) -> None:
@@ -122,6 +139,9 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+        if self._error_dir is not None:
+            shutil.rmtree(self._error_dir, ignore_errors=True)
+            self._error_dir = None
 
     def wait_all(self, timeout_s: float) -> bool:
         """Wait for every child to exit by itself; True when all did."""

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+# The KV budget per rank on CPU when kv_cache_memory is not given (on CUDA it is sized from the
+# device's memory, see workers/memory_profile.py).
+CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     """All engine options; the launcher flags and LLM(...) keyword arguments map 1:1 onto these."""
@@ -22,7 +26,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"  # fcfs | priority
     prefix_hash: str = "sha256"  # sha256 (collision safe) | fast (Python hash of tuples)
-    kv_cache_memory: int = 256 * 1024 * 1024  # bytes of K+V per rank
+    # bytes of K+V per rank; None means "the device default": 256 MiB on CPU, and on CUDA what
+    # gpu_memory_utilization leaves after the weights and a profile forward
+    kv_cache_memory: int | None = None
+    # share of each GPU's memory the engine may use (vLLM's --gpu-memory-utilization)
+    gpu_memory_utilization: float = 0.9
+    # auto: weights from the model's files; dummy: random weights of the model's shape
+    # (config.json alone suffices), drawn on the device (vLLM's --load-format dummy)
+    load_format: str = "auto"
     num_gpu_blocks_override: int | None = None  # force a KV capacity (tests of KV pressure)
     # plan step k+1 while the workers run step k (the in-flight token is a placeholder)
     async_scheduling: bool = False
@@ -57,6 +68,14 @@ def config_error(config: EngineConfig) -> str | None:
     if config.attention_backend not in ("auto", "torch", "cpu", "triton"):
         return (f"unknown attention_backend {config.attention_backend!r}; "
                 "expected auto, torch, cpu or triton")
+    if config.load_format not in ("auto", "dummy"):
+        return f"unknown load_format {config.load_format!r}; expected auto or dummy"
+    if not 0.0 < config.gpu_memory_utilization <= 1.0:
+        return f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
+    if config.kv_cache_memory is not None and config.kv_cache_memory <= 0:
+        return f"kv_cache_memory must be > 0 bytes, got {config.kv_cache_memory}"
+    if config.device not in ("auto", "cpu", "cuda"):
+        return f"unknown device {config.device!r}; expected auto, cpu or cuda"
     if config.speculative_ngram < 0 or config.num_speculative_tokens < 0:
         return "speculative_ngram and num_speculative_tokens must be >= 0"
     if config.speculative_ngram and not config.num_speculative_tokens:

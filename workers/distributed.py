@@ -36,26 +36,28 @@ def _env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 60) -> DistEnv:
+def init_distributed(device: str = "auto", timeout_s: float = 60,
+                     dtype: str = "float32") -> DistEnv:
     """Join the process group described by RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT.
 
-    NCCL on CUDA (LOCAL_RANK picks the GPU), gloo on CPU. A world of one needs no group, but an
+    NCCL on CUDA (LOCAL_RANK picks the GPU), gloo on CPU. "auto" is CUDA only when every rank on
+    this node (LOCAL_WORLD_SIZE) has a GPU of its own, else CPU (workers/device_check.py); a rank
+    that cannot run raises DeviceError naming itself. A world of one needs no group, but an
     already initialized group is reused as is.
     """
+    from workers.device_check import check_rank
+
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    device = check_rank(device, dtype, rank=rank, local_rank=local_rank, tp_size=world_size,
+                        local_ranks=local_world)
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' requested but CUDA is not available")
         torch.cuda.set_device(local_rank)
         dev, backend = torch.device("cuda", local_rank), "nccl"
-    elif device == "cpu":
-        dev, backend = torch.device("cpu"), "gloo"
     else:
-        raise ValueError(f"unknown device {device!r}; expected auto, cpu or cuda")
+        dev, backend = torch.device("cpu"), "gloo"
     if world_size > 1 and not dist.is_initialized():
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(var):

@@ -1,7 +1,10 @@
 """Model loading: dummy presets (seeded random weights), HF directories (safetensors) and GGUF.
 
 Every source hands out full-model tensors by HF name and supports slicing, so a rank reads (or
-generates) only what its shard needs, and all tp_sizes see the same full weights.
+generates) only what its shard needs. The small presets (dummy:tiny, dummy:micro) draw each full
+tensor from one seed, so all tp_sizes see the same weights (the TP tests compare them); the
+real-shape presets and `load_format="dummy"` draw only the slice a rank asks for, on its device,
+so billions of parameters take a fraction of a second, and their values depend on the TP layout.
 """
 
 from __future__ import annotations
@@ -14,12 +17,19 @@ import zlib
 import torch
 from safetensors import safe_open
 
-from workers.llama import LlamaForCausalLM
-from workers.model_config import DUMMY_INIT_STD, ModelConfig, dummy_config
+from workers.llama import LlamaForCausalLM, WeightSource
+from workers.model_config import (
+    DUMMY_INIT_STD,
+    REAL_SHAPE_INIT_STD,
+    REAL_SHAPE_PRESETS,
+    ModelConfig,
+    dummy_config,
+    dummy_preset_name,
+)
 from workers.model_paths import DUMMY_PREFIX, resolve_model
 
 __all__ = ["resolve_model", "load_model", "load_model_config", "DummySource",
-           "SafetensorsSource", "hf_param_shapes"]
+           "ShardDummySource", "SafetensorsSource", "hf_param_shapes"]
 
 
 def _slice(t, shape: tuple[int, ...], dim: int | None, start: int, end: int | None):
@@ -79,6 +89,49 @@ class DummySource:
         return _slice(full, shape, dim, start, end)
 
 
+class ShardDummySource:
+    """Random weights drawn slice by slice: read() draws only the requested slice, directly on
+    `device` in `dtype` (no full tensor, no CPU detour), seeded by (seed, name, slice)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype,
+                 std: float = REAL_SHAPE_INIT_STD):
+        self.shapes = hf_param_shapes(cfg)
+        self.seed, self.device, self.dtype, self.std = seed, device, dtype, std
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def read(self, name: str, dim: int | None = None, start: int = 0,
+             end: int | None = None) -> torch.Tensor:
+        full = self.shapes[name]
+        shape = list(full)
+        if dim is not None:
+            shape[dim] = (full[dim] if end is None else end) - start
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        key = f"{name}:{dim}:{start}:{end}".encode()
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed * 1_000_003 + zlib.crc32(key))
+        out = torch.randn(shape, generator=gen, dtype=self.dtype, device=self.device)
+        return out.mul_(self.std)
+
+
+def _tp_pads(cfg: ModelConfig, tp_size: int) -> bool:
+    """Whether this TP size pads heads, MLP rows or vocabulary rows with zeros."""
+    return any(n % tp_size for n in (cfg.num_key_value_heads, cfg.intermediate_size,
+                                     cfg.vocab_size))
+
+
+def _shard_source(cfg: ModelConfig, seed: int, tp_size: int, dtype: torch.dtype,
+                  device: torch.device) -> ShardDummySource:
+    # llama.read_padded appends CPU zeros where TP pads; draw on CPU then (a rare layout).
+    draw_on = torch.device("cpu") if _tp_pads(cfg, tp_size) else device
+    return ShardDummySource(cfg, seed, draw_on, dtype)
+
+
 class SafetensorsSource:
     """All *.safetensors of a HF directory; slices are read lazily, never the whole file."""
 
@@ -121,12 +174,25 @@ def load_model_config(name: str) -> ModelConfig:
 
 
 def load_model(name: str, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device,
-               seed: int = 0) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build this rank's shard of the model and fill it from its source."""
+               seed: int = 0, load_format: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build this rank's shard of the model and fill it from its source.
+
+    load_format "dummy": random weights of the model's shape; a HF directory needs only its
+    config.json, a .gguf only its header.
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}; expected auto or dummy")
     path = resolve_model(name)
+    src: WeightSource
     if path.startswith(DUMMY_PREFIX):
         cfg = dummy_config(path)
-        src = DummySource(cfg, seed)
+        if dummy_preset_name(path) in REAL_SHAPE_PRESETS:
+            src = _shard_source(cfg, seed, tp_size, dtype, device)
+        else:
+            src = DummySource(cfg, seed)
+    elif load_format == "dummy":
+        cfg = load_model_config(path)
+        src = _shard_source(cfg, seed, tp_size, dtype, device)
     elif path.endswith(".gguf"):
         from workers.gguf_loader import GGUFSource
 

@@ -85,10 +85,52 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
 }
 DUMMY_INIT_STD = 0.2
 
+# Real-shape presets: the published config.json values of these models, with random weights, so
+# a real model size can be benchmarked without its weight files. Their weights are drawn with
+# REAL_SHAPE_INIT_STD (HF's initializer_range), small enough that bf16 activations stay finite
+# through 16-32 layers, directly into each rank's shard on its device (workers/loader.py).
+_LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+DUMMY_PRESETS |= {
+    # meta-llama/Llama-3.2-1B
+    "llama-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_SCALING, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+    ),
+    # meta-llama/Meta-Llama-3-8B
+    "llama-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Qwen/Qwen2-0.5B (q/k/v carry a bias, o_proj does not)
+    "qwen2-0.5b": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=131072,
+        tie_word_embeddings=True, attention_bias=True, bos_token_id=151643,
+        eos_token_id=151643,
+    ),
+}
+REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b"})
+REAL_SHAPE_INIT_STD = 0.02
+
 
 def dummy_config(name: str) -> ModelConfig:
     """Config of a `dummy:<preset>` model name (a fresh copy, safe to modify)."""
     preset = name.split(":", 1)[1] if ":" in name else name
     if preset not in DUMMY_PRESETS:
         raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
-    return replace(DUMMY_PRESETS[preset])
+    return replace(DUMMY_PRESETS[preset], rope_scaling=_copy(DUMMY_PRESETS[preset].rope_scaling))
+
+
+def _copy(d: dict | None) -> dict | None:
+    return None if d is None else dict(d)
+
+
+def dummy_preset_name(name: str) -> str:
+    """'dummy:llama-1b' -> 'llama-1b'."""
+    return name.split(":", 1)[1] if ":" in name else name

@@ -57,6 +57,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             seed=self.config.seed,
+            load_format=self.config.load_format,
         )
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.input_batch = InputBatch(
@@ -69,16 +70,10 @@ class ModelRunner:
             raise RuntimeError("load_model() must run before init_kv_cache()")
         if self.num_blocks:
             raise RuntimeError("the KV cache is allocated once")
-        if self.config.num_gpu_blocks_override is not None:
-            num_blocks = self.config.num_gpu_blocks_override
-        else:
-            per_block = self.model.kv_cache_bytes_per_block(self.block_size)
-            num_blocks = self.config.kv_cache_memory // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory={self.config.kv_cache_memory} bytes gives {num_blocks} blocks; "
-                "need at least 2 (block 0 is the null block)"
-            )
+        from workers.memory_profile import plan_for_runner
+
+        # overrides, the CPU budget, or on CUDA a profile forward and gpu_memory_utilization
+        num_blocks = plan_for_runner(self).num_blocks
         self.model.allocate_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
         return num_blocks

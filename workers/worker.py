@@ -21,6 +21,7 @@ import zmq
 
 from protocol.codec import Encoder, ProtocolError, broadcast_decoder
 from protocol.config import EngineConfig
+from protocol.error_file import write_error_file
 from protocol.messages import (
     HealthPing,
     HealthPong,
@@ -90,7 +91,7 @@ class Worker:
         from workers.model_runner import ModelRunner
 
         self.config = config
-        self.dist = init_distributed(config.device)
+        self.dist = init_distributed(config.device, dtype=config.dtype)
         self.rank = self.dist.rank
         self.runner = ModelRunner(config, self.dist)
         self.runner.load_model()
@@ -240,6 +241,8 @@ def main() -> int:
     except Exception as e:  # report, with traceback, before dying
         tb = traceback.format_exc()
         sys.stderr.write(tb)
+        # The launcher names the rank and this reason, also when we die before connecting.
+        write_error_file(f"{type(e).__name__}: {e}", tb)
         if worker is not None and hasattr(worker, "push"):
             worker.fail(f"rank {rank}: {type(e).__name__}: {e}", tb)
         code = 1
