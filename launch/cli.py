@@ -4,6 +4,7 @@ python -m launch --nproc-per-node 2 --prompt "What is the capital of France?"
 python -m launch --model dummy:tiny --num-prompts 64 --input-len 128 --output-len 64 --json
 python -m launch --nnodes 2 --node-rank 1 --master-addr HOST --master-port P   # workers only
 python -m launch --engine-only --nproc-per-node 2 ...     # scheduler alone, for torchrun workers
+python -m launch serve --model dummy:tiny --port 8000      # OpenAI-compatible HTTP server
 """
 
 from __future__ import annotations
@@ -148,6 +149,11 @@ def run_node(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # `tandem serve ...`: the OpenAI-compatible HTTP server
+        from launch.serve.main import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     from protocol.config import EngineConfig, config_error

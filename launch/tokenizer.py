@@ -90,15 +90,21 @@ class Tokenizer:
     def apply_chat_template(self, user_message: str, system: str | None = None) -> str:
         """The prompt text for one user turn (plus optional system turn), ending with the
         generation prompt so the model answers as the assistant."""
+        messages = [] if system is None else [{"role": "system", "content": system}]
+        messages.append({"role": "user", "content": user_message})
+        return self.render_chat(messages)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for a whole conversation (OpenAI-style role/content dicts)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send the prompt raw instead")
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
-        messages = [] if system is None else [{"role": "system", "content": system}]
-        messages.append({"role": "user", "content": user_message})
         return self._compiled_template.render(
             messages=messages,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id),
         )

@@ -1,0 +1,128 @@
+"""POST /v1/chat/completions: messages through the model's chat template."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from launch.serve.context import ServerContext
+from launch.serve.errors import bad_request
+from launch.serve.generation import Delta, Generation, token_text
+from launch.serve.respond import respond
+from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dicts
+
+
+def chat_prompt(
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> list[int]:
+    tok = ctx.tokenizer
+    if tok is None or not tok.has_chat_template:
+        raise bad_request(
+            f"model {ctx.model_path!r} has no chat template: use /v1/completions "
+            "(or start the server with a --tokenizer that has one)",
+            "messages",
+        )
+    try:
+        text = tok.render_chat(message_dicts(messages), add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from e
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception or a render error
+        raise bad_request(f"chat template failed: {e}", "messages") from e
+    return ctx.encode(text, add_special_tokens, "messages")
+
+
+def _logprobs(tokenizer: Any, ids: list[int], lps: list[float], top: int) -> dict[str, Any]:
+    content = []
+    for t, lp in zip(ids, lps, strict=False):
+        s = token_text(tokenizer, t)
+        entry = {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        # the engine returns the sampled token's logprob only, so that is the top list too
+        content.append(entry | {"top_logprobs": [dict(entry)] if top > 0 else []})
+    return {"content": content}
+
+
+async def create_chat_completion(
+    ctx: ServerContext, req: ChatCompletionRequest, request: Request
+) -> Response:
+    ctx.check_model(req.model)
+    ctx.check_alive()
+    ids = chat_prompt(ctx, req.messages, req.add_generation_prompt, req.add_special_tokens)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, ctx.engine.max_model_len - len(ids))
+    want_lp = req.logprobs
+    top = req.top_logprobs or 0
+    gen = Generation(
+        ctx.engine,
+        ctx.metrics,
+        ctx.new_id("chatcmpl", req),
+        [ids],
+        ctx.sampling_params(req, max_tokens, want_lp),
+        req.n,
+        req.stop_list(),
+        req.include_stop_str_in_output,
+        req.skip_special_tokens,
+        req.priority,
+    )
+    gen.validate()
+    head = {
+        "id": gen.base_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+    tok = ctx.tokenizer
+    started: set[int] = set()
+
+    def chunks(deltas: list[Delta]) -> list[dict[str, Any]]:
+        out = []
+        for d in deltas:
+            c = d.choice
+            delta: dict[str, Any] = {"content": d.text}
+            if c.index not in started:  # the role rides on the first real token's chunk
+                started.add(c.index)
+                delta = {"role": "assistant"} | delta
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": _logprobs(tok, d.token_ids, d.logprobs, top) if want_lp else None,
+                "finish_reason": d.finish_reason,
+                "stop_reason": c.stop_reason if d.finish_reason else None,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            out.append({"choices": [choice]})
+        return out
+
+    def body() -> dict[str, Any]:
+        choices = []
+        for c in gen.choices:
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": _logprobs(tok, c.token_ids, c.logprobs, top) if want_lp else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                choice |= {"token_ids": c.token_ids, "prompt_token_ids": c.prompt_ids}
+            choices.append(choice)
+        return head | {"object": "chat.completion", "choices": choices, "usage": gen.usage()}
+
+    opts = req.stream_options
+    return await respond(
+        request,
+        gen,
+        stream=req.stream,
+        head=head,
+        chunks=chunks,
+        body=body,
+        include_usage=bool(opts and opts.include_usage),
+        continuous_usage=bool(opts and opts.continuous_usage_stats),
+    )

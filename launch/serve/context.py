@@ -1,0 +1,135 @@
+"""What every route needs: the engine, the metrics, the served names and request plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from launch.serve.engine import AsyncEngine
+from launch.serve.errors import APIError, bad_request
+from launch.serve.metrics import ServerMetrics
+from launch.serve.schemas import SamplingFields
+from protocol.messages import SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    served_names: list[str]
+    model_path: str
+    api_key: str | None = None
+    max_n: int = 128
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.served_names[0])
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_alive(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise bad_request(
+                f"model {self.model_path!r} has no tokenizer: send token ids (a list of ints) "
+                "as the prompt, or start the server with --tokenizer",
+                param,
+            )
+        if add_special_tokens:
+            return list(tok.encode(text))
+        return list(tok.backend.encode(text, add_special_tokens=False).ids)
+
+    def sampling_params(
+        self, req: SamplingFields, max_tokens: int, logprobs: bool
+    ) -> SamplingParams:
+        if not 1 <= req.n <= self.max_n:
+            raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", "n")
+        d = SamplingParams()
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=d.temperature if req.temperature is None else req.temperature,
+            top_p=d.top_p if req.top_p is None else req.top_p,
+            top_k=d.top_k if req.top_k is None else req.top_k,
+            min_p=d.min_p if req.min_p is None else req.min_p,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+        )
+
+    def new_id(self, prefix: str, req: SamplingFields) -> str:
+        return req.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first: then cancel it, raise ClientGone.
+
+    The body has been read by then, so the next ASGI message can only be the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise ClientGone()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events from an async iterator of str; `on_close` runs however it ends
+    (finished, client gone, server shutting down), so engine requests are always released."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,78 @@
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, for every failure.
+
+Every invalid request is a 400, including the ones FastAPI would answer with its own 422
+(validation) or a bare 400 (malformed JSON); the message is the engine's own where the engine's
+validation is what refused the request.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    """Raised by a handler; becomes an OpenAI error body with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def error_type(status: int) -> str:
+    """vLLM's naming: the status phrase without spaces plus "Error" (BadRequestError, ...)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Server"
+    return phrase.replace(" ", "").replace("-", "") + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line from pydantic's error list, and the offending field's name."""
+    parts = []
+    param = None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc)
+        parts.append(f"{where}: {err.get('msg', 'invalid')}" if where else err.get("msg", ""))
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # 404 for unknown paths, 405 for wrong methods: same body shape as every other error.
+        return error_response(exc.status_code, str(exc.detail))

@@ -1,0 +1,277 @@
+"""One HTTP request's generation: its engine requests (prompts x n choices), their text, stop
+strings and timings, and how its first failure maps to an HTTP status.
+
+Completions and chat differ only in how they shape what this yields (see completions.py and
+chat.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_core.validation import validate_prompt, validate_sampling
+from launch.client import EngineDeadError
+from launch.detokenizer import IncrementalDetokenizer
+from launch.serve.engine import AsyncEngine, Event
+from launch.serve.errors import APIError, bad_request
+from launch.serve.metrics import ServerMetrics
+from launch.serve.stop import StopChecker
+from protocol.codec import pack
+from protocol.messages import SamplingParams
+
+# An engine refusal and an engine death both arrive as an "error" output with no tokens; the
+# death is announced right after. Wait this long for it before calling the error a bad request.
+DEAD_GRACE_S = 0.1
+
+
+@dataclass
+class Choice:
+    """One engine request: one prompt, one of its n samples."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+    arrival: float = 0.0
+    last_token_ts: float | None = None
+
+
+@dataclass
+class Delta:
+    """What one engine output added to one choice."""
+
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        base_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        stops: list[str],
+        include_stop_str: bool,
+        skip_special_tokens: bool,
+        priority: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.base_id = base_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.params = params
+        self.priority = priority
+        self.choices: list[Choice] = []
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        tok = engine.tokenizer
+        for p_idx, ids in enumerate(prompts):
+            for j in range(n):
+                i = p_idx * n + j
+                rid = base_id if len(prompts) * n == 1 else f"{base_id}-{i}"
+                detok = IncrementalDetokenizer(tok, ids, skip_special_tokens) if tok else None
+                self.choices.append(
+                    Choice(i, rid, ids, detok, StopChecker(stops, include_stop_str))
+                )
+        self.n = n
+        self._unfinished = len(self.choices)
+        self._got_token = False
+
+    # ------------------------------------------------------------------ start
+
+    def validate(self) -> None:
+        """The engine's own checks, run here first so a bad request is a 400 at once."""
+        err = validate_sampling(self.params)
+        if err is not None:
+            raise bad_request(err)
+        seen: set[int] = set()
+        for c in self.choices:
+            if id(c.prompt_ids) in seen:
+                continue
+            seen.add(id(c.prompt_ids))
+            try:
+                pack(c.prompt_ids)
+            except (OverflowError, TypeError) as e:
+                raise bad_request(f"prompt token ids are not int32 values: {e}", "prompt") from e
+            err = validate_prompt(c.prompt_ids, self.engine.vocab_size)
+            if err is None and len(c.prompt_ids) > self.engine.max_model_len:
+                err = (
+                    f"prompt has {len(c.prompt_ids)} tokens, more than max_model_len "
+                    f"{self.engine.max_model_len}"
+                )
+            if err is not None:
+                raise bad_request(err, "prompt")
+
+    def submit(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+        for c in self.choices:
+            params = self.params
+            if c.index % self.n and params.seed is not None:
+                # n samples of one seeded request differ from each other but reproduce
+                params = _with_seed(params, params.seed + c.index % self.n)
+            try:
+                c.arrival = self.engine.submit(
+                    c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority
+                )
+            except EngineDeadError as e:
+                self.abort()
+                raise APIError(503, f"the engine is dead: {e}") from e
+            except ValueError as e:
+                self.abort()
+                raise bad_request(str(e), "request_id") from e
+
+    def abort(self) -> None:
+        """Abort every choice still running (client gone, or the response is done)."""
+        running = [c.request_id for c in self.choices if c.finish_reason is None]
+        if running:
+            self.engine.abort(running)
+
+    # ------------------------------------------------------------------ outputs
+
+    async def first(self) -> list[Delta]:
+        """Wait for the first output; raise APIError when the request failed before any token.
+
+        Run before a response is started, so a refusal by the engine is an HTTP status, not
+        a stream that ends in an error.
+        """
+        deltas: list[Delta] = []
+        while not deltas:  # an output with neither tokens nor a finish decides nothing
+            deltas = await self._next()
+        for d in deltas:
+            c = d.choice
+            if c.finish_reason == "error" and not c.token_ids:
+                await self._raise_for(c.error or "request failed")
+        return deltas
+
+    async def _raise_for(self, error: str) -> None:
+        self.abort()
+        if await self._engine_died():
+            raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+        raise bad_request(error)
+
+    async def _engine_died(self) -> bool:
+        deadline = time.monotonic() + DEAD_GRACE_S
+        while self.engine.dead_reason is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.engine.dead_reason is not None
+
+    async def failure(self) -> APIError | None:
+        """After the end: the error of a choice that failed after its first token, if any
+        (503 when the engine died, else 500)."""
+        for c in self.choices:
+            if c.finish_reason == "error":
+                if await self._engine_died():
+                    return APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+                return APIError(500, c.error or "request failed")
+        return None
+
+    async def stream(self, first: list[Delta]) -> AsyncIterator[list[Delta]]:
+        """Batches of deltas until every choice has finished (`first` comes first)."""
+        if first:
+            yield first
+        while self._unfinished:
+            deltas = await self._next()
+            if deltas:
+                yield deltas
+
+    async def collect(self) -> None:
+        """Run to the end (non-streaming)."""
+        first = await self.first()
+        del first
+        async for _ in self.stream([]):
+            pass
+
+    async def _next(self) -> list[Delta]:
+        """Every output queued now (at least one), applied to its choice."""
+        events = [await self.queue.get()]
+        while not self.queue.empty():
+            events.append(self.queue.get_nowait())
+        out = []
+        for idx, wire, ts in events:
+            d = self._apply(self.choices[idx], wire.new_token_ids, wire.new_logprobs, ts,
+                            wire.finish_reason, wire.error)
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _apply(
+        self,
+        c: Choice,
+        new_ids: list[int],
+        new_logprobs: list[float] | None,
+        ts: float,
+        finish_reason: str | None,
+        error: str | None,
+    ) -> Delta | None:
+        if c.finish_reason is not None:
+            return None  # ended here already (a stop string) and aborted in the engine
+        text = ""
+        if new_ids:
+            self.metrics.on_tokens(c, len(new_ids), ts)
+            c.token_ids.extend(new_ids)
+            if new_logprobs:
+                c.logprobs.extend(new_logprobs)
+            if c.detok is not None:
+                text = c.detok.add(new_ids)
+        if finish_reason is not None and c.detok is not None:
+            text += c.detok.finish()
+        matched = None
+        if c.detok is not None:
+            text, matched = c.stop.add(text, final=finish_reason is not None)
+        if matched is not None:
+            c.finish_reason, c.stop_reason = "stop", matched
+            self.engine.abort([c.request_id])
+        elif finish_reason is not None:
+            c.finish_reason, c.error = finish_reason, error
+        if c.finish_reason is not None:
+            self._unfinished -= 1
+            # a prompt's tokens are counted once, however many samples it has
+            self.metrics.on_finish(c, ts, count_prompt=c.index % self.n == 0)
+        if text:
+            c.text.append(text)
+        if not new_ids and c.finish_reason is None:
+            return None
+        lps = list(new_logprobs) if new_logprobs else []
+        return Delta(c, text, list(new_ids), lps, c.finish_reason)
+
+    # ------------------------------------------------------------------ totals
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        # a prompt is counted once however many choices sample it (as vLLM counts)
+        prompt = self.prompt_tokens
+        done = self.completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, seed=seed)
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token as logprobs show it: its text, or vLLM's `token_id:N` without a tokenizer."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return str(tokenizer.decode([token_id], skip_special_tokens=False))

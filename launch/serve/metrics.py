@@ -1,0 +1,85 @@
+"""GET /metrics: Prometheus text (prometheus_client), with vLLM's metric names under `tandem:`.
+
+Latency histograms and token counters are fed by the frontend as outputs arrive (engine
+timestamps); the running/waiting/KV gauges come from the engine core's health report, fetched
+when the metrics are scraped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from launch.serve.generation import Choice
+    from protocol.messages import HealthReport
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)
+
+
+class ServerMetrics:
+    """Every metric of one server, in its own registry (several apps can share a process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("tandem:num_requests_running", "Requests in the engine's running set",
+                             labels, registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting to be scheduled",
+                             labels, registry=r)
+        self.kv_usage = Gauge("tandem:kv_cache_usage_perc",
+                              "Fraction of KV cache blocks in use (1 = full)", labels, registry=r)
+        self.in_flight = Gauge("tandem:num_requests_in_flight_http",
+                               "Engine requests the HTTP frontend is waiting on", labels,
+                               registry=r)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to finish",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests",
+                                     labels, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens",
+                                         labels, registry=r)
+        self.finished = Counter("tandem:request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=r)
+        self._labels = {"model_name": model_name}
+        self._ttft = self.ttft.labels(**self._labels)
+        self._itl = self.itl.labels(**self._labels)
+        self._e2e = self.e2e.labels(**self._labels)
+        self._gen = self.generation_tokens.labels(**self._labels)
+        self._prompt = self.prompt_tokens.labels(**self._labels)
+
+    def on_tokens(self, c: Choice, n: int, ts: float) -> None:
+        if c.last_token_ts is None:
+            self._ttft.observe(max(0.0, ts - c.arrival))
+        else:
+            gap = max(0.0, ts - c.last_token_ts) / n  # speculative steps bring several at once
+            for _ in range(n):
+                self._itl.observe(gap)
+        c.last_token_ts = ts
+        self._gen.inc(n)
+
+    def on_finish(self, c: Choice, ts: float, count_prompt: bool) -> None:
+        self._e2e.observe(max(0.0, ts - c.arrival))
+        if count_prompt:
+            self._prompt.inc(len(c.prompt_ids))
+        self.finished.labels(finished_reason=c.finish_reason or "unknown", **self._labels).inc()
+
+    def render(self, report: HealthReport | None, in_flight: int) -> bytes:
+        if report is not None:
+            self.running.labels(**self._labels).set(report.num_running)
+            self.waiting.labels(**self._labels).set(report.num_waiting)
+            self.kv_usage.labels(**self._labels).set(report.kv_usage)
+        self.in_flight.labels(**self._labels).set(in_flight)
+        return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""Request bodies of the OpenAI API as vLLM accepts them (pydantic; unknown fields accepted).
+
+Types are checked here; values (temperature range, token ids, ...) are checked by the engine's
+own validation (engine_core.validation), so a client gets the same message over HTTP as from the
+Python API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    # Unknown fields are accepted and ignored, as vLLM does (clients send provider extras).
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Open):
+    """The sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    request_id: str | None = None
+    return_token_ids: bool = False  # vLLM extension: token ids next to the text of each choice
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+class TextPart(_Open):
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the chat template writes BOS itself
+
+
+class TokenizeRequest(_Open):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Open):
+    model: str | None = None
+    tokens: list[int]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: content parts joined into one string.
+
+    Raises ValueError for a non-text part (this server takes text only).
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(
+                        f"content part of type {part.type!r} is not supported (text only)"
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = dict(m.model_extra or {})
+        d.update(role=m.role, content=content or "")
+        out.append(d)
+    return out
+
+
