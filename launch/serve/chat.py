@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
-from launch.serve.generation import Delta, Generation, token_text
+from launch.serve.generation import Delta, Generation, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dicts
 
@@ -39,7 +39,7 @@ def chat_prompt(
 
 def _logprobs(tokenizer: Any, ids: list[int], lps: list[float], top: int) -> dict[str, Any]:
     content = []
-    for t, lp in zip(ids, lps, strict=False):
+    for t, lp in zip(ids, pad_logprobs(lps, len(ids)), strict=True):
         s = token_text(tokenizer, t)
         entry = {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
         # the engine returns the sampled token's logprob only, so that is the top list too

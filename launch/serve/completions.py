@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
-from launch.serve.generation import Delta, Generation, token_text
+from launch.serve.generation import Delta, Generation, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import CompletionRequest
 
@@ -31,15 +31,16 @@ def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[
 
 def _logprobs(tokenizer: Any, ids: list[int], lps: list[float], offset: int) -> dict[str, Any]:
     tokens = [token_text(tokenizer, t) for t in ids]
+    values = pad_logprobs(lps, len(ids))
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     return {
         "text_offset": offsets,
-        "token_logprobs": lps,
+        "token_logprobs": values,
         "tokens": tokens,
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=False)],
+        "top_logprobs": [{t: lp} for t, lp in zip(tokens, values, strict=True)],
     }
 
 

@@ -275,3 +275,9 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def pad_logprobs(lps: list[float], n: int) -> list[float | None]:
+    """One entry per token: None where the engine sent no logprob for it."""
+    out: list[float | None] = list(lps[:n])
+    return out + [None] * (n - len(out))
