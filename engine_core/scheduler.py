@@ -182,6 +182,8 @@ class Scheduler:
     def _free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
         req.status = status
+        if self.trace is not None:
+            self.trace.on_finish(req, FINISH_REASONS[status])
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         if req.handle is not None:  # the workers know it: tell them to forget it
@@ -318,8 +320,6 @@ class Scheduler:
     def _finish_in_schedule(self, req: Request, status: RequestStatus, diff: StepDiff) -> None:
         diff.forget(req.handle)  # type: ignore[arg-type]
         self._free_request(req, status)
-        if self.trace is not None:
-            self.trace.on_finish(req, FINISH_REASONS[status])
         self._pending_outputs.append(
             RequestOutput(
                 request_id=req.request_id, new_token_ids=[], finish_reason=FINISH_REASONS[status]
@@ -409,7 +409,7 @@ class Scheduler:
             if self._update_one_token_each(handles, tokens, outputs):
                 self.running = [r for r in self.running if r.status == RUNNING]
             if self.trace is not None:
-                self.trace.on_update(scheduler_output.step_id, outputs)
+                self.trace.on_update(scheduler_output.step_id)
             return outputs
         pos = 0
         for k, handle in enumerate(handles):
@@ -445,7 +445,7 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         if self.trace is not None:
-            self.trace.on_update(scheduler_output.step_id, outputs)
+            self.trace.on_update(scheduler_output.step_id)
         return outputs
 
     def _append_tokens(

@@ -30,10 +30,10 @@ from engine_core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from engine_core.scheduler import Scheduler
     from engine_core.scheduler_output_builder import StepDiff
-    from protocol.messages import RequestOutput
 
 TRACE_VERSION = 1
 FLUSH_INTERVAL_S = 1.0  # a killed engine core loses at most this much of the trace
+WRITE_BUFFER = 1 << 20
 # the keys of a step record that are decisions (deterministic for a given call sequence);
 # "t", "wall_s" and the seqs are not
 DECISION_KEYS = (
@@ -75,8 +75,13 @@ class SchedulerTrace:
 
     def __init__(self, out: str | IO[bytes], header: dict[str, Any]) -> None:
         self._own = isinstance(out, str)
-        self._f: IO[bytes] = open(out, "wb") if isinstance(out, str) else out  # noqa: SIM115
+        # a large buffer: a step line of a big batch is several KB, and the default 8 KB
+        # buffer would make nearly every line a write() call
+        self._f: IO[bytes] = (
+            open(out, "wb", buffering=WRITE_BUFFER) if isinstance(out, str) else out  # noqa: SIM115
+        )
         self._enc = msgspec.json.Encoder()
+        self._buf = bytearray()  # reused for every line
         self._seq = 1
         self._pending: dict[int, dict[str, Any]] = {}  # scheduled steps not yet applied
         self._reqs: dict[str, Request] = {}  # unfinished requests, for their finish record
@@ -86,7 +91,10 @@ class SchedulerTrace:
         self._write(header)
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self._f.write(self._enc.encode(rec) + b"\n")
+        buf = self._buf
+        self._enc.encode_into(rec, buf)
+        buf.extend(b"\n")
+        self._f.write(buf)
 
     def _next_seq(self) -> int:
         seq = self._seq
@@ -128,13 +136,9 @@ class SchedulerTrace:
                 "reason": reason,
             }
         )
-        for rid in request_ids:
-            req = self._reqs.get(rid)
-            if req is not None:
-                self.on_finish(req, reason)
 
     def on_finish(self, req: Request, reason: str) -> None:
-        """A request ended outside update_from_output (an abort, or capped in schedule())."""
+        """A request ended (any path: sampled a stop, length, abort, capped in schedule())."""
         if self._reqs.pop(req.request_id, None) is not None:
             self._preempted.discard(req.request_id)
             self._finish_record(req, reason)
@@ -160,18 +164,22 @@ class SchedulerTrace:
         new = {d.handle: d.num_scheduled_tokens for d in diff.new_reqs}
         resumed = {d.handle: d.num_scheduled_tokens for d in diff.resumed_reqs}
         overrides = diff.overrides
-        decisions: list[list[Any]] = []
-        for req in sched.running:  # admission order, the newly admitted last
-            h = req.handle
-            if h in new:
-                decisions.append([req.request_id, "new", new[h]])
-            elif h in resumed:
-                decisions.append([req.request_id, "resumed", resumed[h]])
-                self._preempted.discard(req.request_id)
-            else:
-                n = overrides.get(h, 1)  # type: ignore[arg-type]
-                if n:
-                    decisions.append([req.request_id, "running", n])
+        decisions: list[list[Any]]
+        if not new and not resumed and not overrides:  # steady decoding: one token each
+            decisions = [[req.request_id, "running", 1] for req in sched.running]
+        else:
+            decisions = []
+            for req in sched.running:  # admission order, the newly admitted last
+                h = req.handle
+                if h in new:
+                    decisions.append([req.request_id, "new", new[h]])
+                elif h in resumed:
+                    decisions.append([req.request_id, "resumed", resumed[h]])
+                    self._preempted.discard(req.request_id)
+                else:
+                    n = overrides.get(h, 1)  # type: ignore[arg-type]
+                    if n:
+                        decisions.append([req.request_id, "running", n])
         by_handle = sched._by_handle  # the trace reads the scheduler's own state
         for h in diff.preempted:
             rid = by_handle[h].request_id
@@ -216,17 +224,12 @@ class SchedulerTrace:
         if rec is not None:
             rec["wall_s"] = wall_s
 
-    def on_update(self, step_id: int, outputs: list[RequestOutput]) -> None:
+    def on_update(self, step_id: int) -> None:
+        """The step's model output has been applied (its finishes are already written)."""
         rec = self._pending.pop(step_id, None)
         if rec is not None:
             rec["done_seq"] = self._next_seq()
             self._write(rec)
-        for o in outputs:
-            if o.finish_reason is not None:
-                req = self._reqs.pop(o.request_id, None)
-                if req is not None:
-                    self._preempted.discard(o.request_id)
-                    self._finish_record(req, o.finish_reason)
         now = time.monotonic()
         if now - self._last_flush >= FLUSH_INTERVAL_S:
             self._last_flush = now
