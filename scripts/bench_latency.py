@@ -3,7 +3,9 @@
     python scripts/bench_latency.py --batch-size 8 --input-len 32 --output-len 128 --json
 
 Last stdout line with --json: {"latency_mean_s", "latency_p50_s", "latency_p90_s",
-"latency_p99_s", "latencies_s", ...}.
+"latency_p99_s", "latencies_s", ...} and the roofline of one iteration (scripts/roofline.py):
+"roofline_floor_s", "roofline_fraction" = floor / latency_p50_s, "peak_tflops",
+"peak_bandwidth_gbs", "peak_source".
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from bench_common import (  # noqa: E402
     scheduler_summary,
     start_llm,
 )
+from roofline import add_roofline_args, print_roofline, roofline_report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-iters-warmup", type=int, default=2)
     g.add_argument("--num-iters", type=int, default=10)
     g.add_argument("--prompts-file", default=None)  # not used; keeps start_llm's contract
+    add_roofline_args(p)
     args = p.parse_args(argv)
     args.prompts_file = None
     return args
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             latencies.append(one_iter())
         breakdown = prof.stop()
         stats_after = llm.get_stats()
+        device = llm.info.device
     finally:
         llm.shutdown()
         prof.close()
@@ -95,6 +100,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result.update(breakdown)
     result.update(scheduler_summary(args, stats_before, stats_after))
+    # One iteration's floor against the median iteration; peaks measured with the engine gone.
+    result.update(roofline_report(
+        args, device, [args.input_len] * args.batch_size, [args.output_len] * args.batch_size,
+        max_batch=args.max_num_seqs, measured_s=result["latency_p50_s"]))
     return result
 
 
@@ -110,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         f"p50 {res['latency_p50_s']:.3f} s, p90 {res['latency_p90_s']:.3f} s, "
         f"p99 {res['latency_p99_s']:.3f} s"
     )
+    print_roofline(res)
     if "non_forward_fraction" in res:
         print_breakdown(
             {k: v for k, v in res.items() if k.endswith("_median_us")}

@@ -4,7 +4,9 @@
     python scripts/bench_throughput.py --num-prompts 256 --input-len 32 --breakdown -tp 2
 
 Last stdout line with --json: {"requests_per_s", "input_tokens_per_s", "output_tokens_per_s",
-"total_s", ...} (+ "non_forward_fraction" and per-phase medians with --breakdown).
+"total_s", ...} (+ "non_forward_fraction" and per-phase medians with --breakdown), and the
+roofline (scripts/roofline.py): "roofline_floor_s" for this workload at the device's peaks,
+"roofline_fraction" = floor / total_s, "peak_tflops", "peak_bandwidth_gbs", "peak_source".
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bench_common import (  # noqa: E402
     scheduler_summary,
     start_llm,
 )
+from roofline import add_roofline_args, print_roofline, roofline_report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8,
         help="a short untimed batch first (other random prompts: no prefix-cache hits)",
     )
+    add_roofline_args(p)
     return p.parse_args(argv)
 
 
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         total = time.perf_counter() - t0
         breakdown = prof.stop()
         stats_after = llm.get_stats()
+        device = llm.info.device
     finally:
         llm.shutdown()
         prof.close()
@@ -96,6 +101,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result.update(breakdown)
     result.update(scheduler_summary(args, stats_before, stats_after))
+    # Peaks are measured with the engine gone, so nothing competes for the device.
+    result.update(roofline_report(
+        args, device, [len(o.prompt_token_ids) for o in outs], [len(o.token_ids) for o in outs],
+        max_batch=args.max_num_seqs, measured_s=total))
     return result
 
 
@@ -114,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"speculation: acceptance rate {res['spec_acceptance_rate']:.3f}, "
                 f"mean accepted length {res['spec_mean_accepted_len']:.2f}"
             )
+        print_roofline(res)
         print_breakdown({k: v for k, v in res.items() if k in _breakdown_keys(res)})
     else:
         emit_json(res)

@@ -127,9 +127,12 @@ def test_bench_throughput_breakdown_profile_tp2(tmp_path: Any, no_leftovers: Non
     res = run_script(
         "bench_throughput.py", *TINY, "-tp", "2", "--num-prompts", "4",
         "--warmup-prompts", "1", "--breakdown", "--profile", str(prof),
+        "--peak-tflops", "1", "--peak-bandwidth-gbs", "10",
     )  # fmt: skip
     for k in ("requests_per_s", "input_tokens_per_s", "output_tokens_per_s", "total_s"):
         assert res[k] > 0
+    assert (res["peak_tflops"], res["peak_bandwidth_gbs"], res["peak_source"]) == (1, 10, "flags")
+    assert res["roofline_fraction"] == pytest.approx(res["roofline_floor_s"] / res["total_s"])
     assert res["output_tokens"] == 16 and res["input_tokens"] == 32
     assert 0.0 <= res["non_forward_fraction"] <= 1.0
     assert res["steps"] >= 4 and res["worker_forward_median_us"] > 0
@@ -150,6 +153,11 @@ def test_bench_latency(no_leftovers: None) -> None:
     assert res["latency_p50_s"] == pytest.approx(np.percentile(res["latencies_s"], 50))
     assert res["latency_p99_s"] >= res["latency_p50_s"] > 0
     assert res["latency_mean_s"] > 0 and res["latency_p90_s"] > 0
+    # roofline of one iteration, peaks measured on this CPU
+    assert res["peak_source"] == "measured" and res["roofline_device"] == "cpu"
+    assert res["peak_tflops"] > 0 and res["peak_bandwidth_gbs"] > 0
+    assert res["roofline_floor_s"] > 0
+    assert res["roofline_fraction"] == pytest.approx(res["roofline_floor_s"] / res["latency_p50_s"])
 
 
 def test_bench_serve_poisson_and_concurrency(no_leftovers: None) -> None:
