@@ -1,10 +1,12 @@
-"""Paged attention in portable torch: new K/V go into the block cache through the slot mapping,
-then every query reads its context through its block-table row.
+"""Paged attention in portable torch, the reference every attention backend is tested against:
+new K/V go into the block cache through the slot mapping, then every query reads its context
+through its block-table row.
 
 One step may mix prefill chunks (continuing from cached context), prefix-cache hits and decodes.
 Short queries (decodes, and a token plus its speculative drafts) are computed together in one
 batched gather, padded to the longest of them; long prefill chunks loop per request, which costs
-little next to their own matmuls.
+little next to their own matmuls. The CPU-kernel and Triton backends (attention_cpu.py,
+attention_triton.py) reuse the metadata and, for what their kernels leave, the planning here.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from workers import cpu_ops
 
 # Use torch's fused scaled_dot_product_attention (same math, inputs upcast to float32 so the
 # softmax is float32 too); False selects the plain matmul/softmax reference path below.
@@ -136,10 +136,6 @@ class AttentionPlan:
     kernel_max_query_len: int = 0
 
 
-def _kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return cpu_ops.active(q) and q.dtype == k_cache.dtype
-
-
 def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.device,
                    scratch: GatherScratch | None = None,
                    short_queries: bool = True, kernel_all: bool = False) -> AttentionPlan:
@@ -207,27 +203,22 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    plan: AttentionPlan | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd].
-
-    new_kv: the step's new keys/values [T, KVH, hd]; with the CPU kernels on, prefills without
-    cached context attend to these directly, runs of equal length in one batched call.
-    """
+                    plan: AttentionPlan | None = None) -> torch.Tensor:
+    """q [T, H, hd] for the new tokens (their K/V already written) -> [T, H, hd]."""
     if plan is None:
-        kernel = _kernel_applies(q, k_cache)
-        plan = plan_attention(meta, k_cache.shape[1], q.device, short_queries=not kernel,
-                              kernel_all=kernel and cpu_ops.attention_any_length(q.shape[2]))
+        plan = plan_attention(meta, k_cache.shape[1], q.device)
     out = torch.empty_like(q)
     if q.shape[0] > plan.num_tokens:  # padding tokens (fixed-size batches) belong to nobody
         out[plan.num_tokens :] = 0
-    if plan.kernel_max_query_len:
-        # Decodes and draft verification (and, with the AVX-512 tiles, prefill chunks too)
-        # read their context straight from the paged cache: no gather, no dtype copies.
-        # Longer chunks are left to the SDPA path below.
-        cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
-                                meta.query_start_loc, len(meta.seq_lens_np), scale,
-                                max_query_len=plan.kernel_max_query_len)
+    attend_planned(out, q, k_cache, v_cache, plan, scale, plan.prefills)
+    return out
+
+
+def attend_planned(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+                   prefills: list[_Prefill]) -> None:
+    """Fill out's rows for the plan's batched short queries and the given prefill chunks,
+    gathering each one's context from the cache."""
     attend = _attend_sdpa if USE_SDPA else _attend
     if plan.decode_blocks is not None:
         k = _gather_context(k_cache, plan.decode_blocks, plan.scratch, 0)  # [D, S, KVH, hd]
@@ -242,9 +233,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 out[tok.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:  # padded queries repeat a real token: write only the real ones
                 out[tok[plan.decode_valid]] = o[plan.decode_valid]
-    prefills = plan.prefills
-    if plan.kernel_max_query_len or (new_kv is not None and _kernel_applies(q, k_cache)):
-        prefills = _fresh_prefills_batched(out, q, new_kv, prefills, scale)
     for p in prefills:
         k = _gather_context(k_cache, p.blocks, plan.scratch, 0)[:, : p.seq_len]
         v = _gather_context(v_cache, p.blocks, plan.scratch, 1)[:, : p.seq_len]
@@ -255,39 +243,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[p.start : p.end] = _attend_sdpa(qp, k, v, mask, scale)[0]
         else:
             out[p.start : p.end] = _attend(qp, k, v, p.allowed, scale)[0]
-    return out
-
-
-def _fresh_prefills_batched(out: torch.Tensor, q: torch.Tensor,
-                            new_kv: tuple[torch.Tensor, torch.Tensor] | None,
-                            prefills: list[_Prefill], scale: float) -> list[_Prefill]:
-    """Attend prefills that have no cached context (seq_len == chunk length) straight from the
-    new K/V: consecutive ones of equal length form one [n, L] SDPA call on views, in the model
-    dtype (the CPU kernel accumulates in float32). Returns the prefills left to do."""
-    if new_kv is None:
-        return prefills
-    k_new, v_new = new_kv
-    rest: list[_Prefill] = []
-    i = 0
-    while i < len(prefills):
-        p = prefills[i]
-        length = p.end - p.start
-        if p.seq_len != length:
-            rest.append(p)
-            i += 1
-            continue
-        j = i + 1
-        while (j < len(prefills) and prefills[j].start == prefills[j - 1].end
-               and prefills[j].end - prefills[j].start == length
-               and prefills[j].seq_len == length):
-            j += 1
-        n, s, e = j - i, p.start, p.start + (j - i) * length
-        heads, hd = q.shape[1], q.shape[2]
-        o = F.scaled_dot_product_attention(
-            q[s:e].view(n, length, heads, hd).transpose(1, 2),
-            k_new[s:e].view(n, length, -1, hd).transpose(1, 2),
-            v_new[s:e].view(n, length, -1, hd).transpose(1, 2),
-            is_causal=True, scale=scale, enable_gqa=True)
-        out[s:e] = o.transpose(1, 2).reshape(e - s, heads, hd)
-        i = j
-    return rest

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers import cpu_ops
+from workers import cpu_ops, triton_ops
 from workers.distributed import tp_all_gather, tp_all_reduce, tp_world_size
 
 
@@ -61,13 +61,21 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_ops.active(x) and x.dim() == 2:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
+        if triton_ops.applies(x) and x.dim() == 2 and x.stride(-1) == 1:
+            from workers.triton_ops import norm_act
+
+            return norm_act.rms_norm(x, self.weight, self.eps)
         return self.forward_torch(x)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, norm(h + delta)); the kernel path adds in place, one pass for both."""
+        """(h + delta, norm(h + delta)); the kernel paths add in place, one pass for both."""
         if cpu_ops.active(h) and h.dim() == 2 and h.is_contiguous():
             return h, cpu_ops.rms_norm(h, self.weight, self.eps, residual=delta)
+        if triton_ops.applies(h) and h.dim() == 2 and h.is_contiguous() and delta.stride(-1) == 1:
+            from workers.triton_ops import norm_act
+
+            return h, norm_act.rms_norm(h, self.weight, self.eps, residual=delta)
         h = h + delta
         return h, self.forward_torch(h)
 
@@ -76,6 +84,18 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2 * C] = [gate | up] -> silu(gate) * up, one fused kernel where one applies."""
+    if gate_up.dim() == 2 and cpu_ops.active(gate_up):
+        return cpu_ops.silu_and_mul(gate_up)
+    if gate_up.dim() == 2 and triton_ops.applies(gate_up) and gate_up.stride(-1) == 1:
+        from workers.triton_ops import norm_act
+
+        return norm_act.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class VocabParallelEmbedding(nn.Module):

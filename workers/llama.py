@@ -11,18 +11,10 @@ import logging
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from workers import cpu_ops
-from workers.attention import (
-    AttentionMetadata,
-    AttentionPlan,
-    GatherScratch,
-    paged_attention,
-    plan_attention,
-    write_kv,
-)
+from workers.attention import AttentionMetadata
+from workers.attention_backend import AttentionBackend, AttentionStep, select_attention_backend
 from workers.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -31,6 +23,7 @@ from workers.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     pad_to_multiple,
+    silu_and_mul,
 )
 from workers.model_config import ModelConfig
 
@@ -90,23 +83,14 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                plan: AttentionPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionStep) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         hd, lay = self.head_dim, self.lay
-        qkv = self.qkv_proj(x)
-        # The CPU kernel rotates q and k inside the fused projection and writes K/V to the
-        # cache in the same pass; then q/k/v are views.
-        done = self.rope.rotate_and_cache_(positions, qkv, lay.q_heads, lay.kv_heads, hd,
-                                           self.k_cache, self.v_cache, meta.slot_mapping)
-        q, k, v = qkv.split([lay.q_heads * hd, lay.kv_heads * hd, lay.kv_heads * hd], dim=-1)
-        q, k = q.view(-1, lay.q_heads, hd), k.view(-1, lay.kv_heads, hd)
-        v = v.view(-1, lay.kv_heads, hd)
-        if not done:
-            q, k = self.rope(positions, q), self.rope(positions, k)
-            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, plan, (k, v))
+        # The backend rotates q and k, writes the new K/V into the cache and attends.
+        out = attn(self.qkv_proj(x), positions, self.rope, lay.q_heads, lay.kv_heads, hd,
+                   self.k_cache, self.v_cache, self.scale)
         return self.o_proj(out.view(-1, lay.q_heads * hd))
 
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -136,11 +120,7 @@ class LlamaMLP(nn.Module):
                                            device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_ops.active(gate_up) and gate_up.dim() == 2:
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
     def load(self, src: WeightSource, prefix: str) -> None:
         s, e = self.lay.inter_start, self.lay.inter_start + self.lay.inter
@@ -159,9 +139,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, lay, tp_rank, dtype, device)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                plan: AttentionPlan, delta: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionStep,
+                delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h and the previous layer's MLP output `delta`, not yet added (the
         add is fused into this layer's first norm) -> (h, this layer's MLP output)."""
         if delta is None:
@@ -169,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, x = self.input_layernorm.add_and_norm(h, delta)
         h, x = self.post_attention_layernorm.add_and_norm(
-            h, self.self_attn(x, positions, meta, plan))
+            h, self.self_attn(x, positions, attn))
         return h, self.mlp(x)
 
 
@@ -196,7 +175,12 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(tied, cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size,
                                       dtype, device)
-        self.gather_scratch = GatherScratch()
+        self.attn_backend: AttentionBackend = select_attention_backend("auto", device,
+                                                                       cfg.head_dim)
+
+    def set_attention_backend(self, name: str) -> None:
+        """auto | torch | cpu | triton; chosen once, before the first step."""
+        self.attn_backend = select_attention_backend(name, self.device, self.cfg.head_dim)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -206,13 +190,10 @@ class LlamaForCausalLM(nn.Module):
         if attn0.k_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         h = self.embed_tokens(input_ids)
-        kernel = cpu_ops.active(attn0.k_cache)
-        plan = plan_attention(meta, attn0.k_cache.shape[1], self.device, self.gather_scratch,
-                              short_queries=not kernel,
-                              kernel_all=kernel and cpu_ops.attention_any_length(self.cfg.head_dim))
+        attn = self.attn_backend.begin(meta, attn0.k_cache.shape[1], self.device)
         delta = None
         for layer in self.layers:
-            h, delta = layer(h, positions, meta, plan, delta)
+            h, delta = layer(h, positions, attn, delta)
         if delta is None:  # no layers
             return self.norm(h)
         return self.norm.add_and_norm(h, delta)[1]

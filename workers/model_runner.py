@@ -17,10 +17,13 @@ from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from workers.attention import AttentionMetadata
 from workers.distributed import DistEnv
 from workers.input_batch import BatchInputs, InputBatch
+from workers.input_staging import InputStaging
+from workers.memory_profile import GPU_MAX_BATCHED_TOKENS
 from workers.sampler import GREEDY_EPS, Sampler, tokens_checksum
 from workers.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
 
 if TYPE_CHECKING:
+    from workers.cuda_graph_runner import CudaGraphRunner
     from workers.llama import LlamaForCausalLM
     from workers.model_config import ModelConfig
 
@@ -46,6 +49,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = Sampler(config.seed, self.device)
         self.input_batch: InputBatch | None = None
+        # CUDA only: pinned staging buffers (CPU tensors from numpy are already zero-copy) and
+        # the decode-step graphs.
+        self.staging: InputStaging | None = None
+        self.graphs: CudaGraphRunner | None = None
 
     def load_model(self) -> None:
         from workers.loader import load_model
@@ -63,6 +70,26 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.config.max_num_seqs, self.max_model_len, self.block_size, device=self.device
         )
+        self.model.set_attention_backend(self.config.attention_backend)
+        if self.device.type == "cuda":
+            budget = self.config.max_num_batched_tokens or GPU_MAX_BATCHED_TOKENS
+            # A step's tokens fit the budget; drafts may add up to K per request on top.
+            spec = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
+            self.staging = InputStaging(self.device, budget + spec, self.config.max_num_seqs,
+                                        self.input_batch.max_blocks_per_req)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode-step graphs (CUDA, Triton attention, not enforce_eager); call
+        once, after init_kv_cache()."""
+        assert self.model is not None
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.staging is None
+                or self.model.attn_backend.name != "triton"):
+            return
+        from workers.cuda_graph_runner import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.model, self.staging, self.config.max_num_seqs,
+                                      1 + self.config.num_speculative_tokens)
+        self.graphs.capture()
 
     def init_kv_cache(self) -> int:
         """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
@@ -87,16 +114,22 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(step_id=so.step_id, rank=self.dist.rank, req_handles=b"")
         inputs = batch.prepare_inputs()
-        input_ids, positions, meta = self._to_device(inputs)
-        t1 = time.perf_counter()
-
-        hidden = self.model(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            t1 = time.perf_counter()
+            hidden = self.graphs.run(inputs)
+        else:
+            input_ids, positions, meta = self._to_device(inputs)
+            t1 = time.perf_counter()
+            hidden = self.model(input_ids, positions, meta)
         sampled = None
         lp = None
         spec: SpecOutput | None = None
         drafts = inputs.drafts  # set only when some request verifies drafts this step
         if len(inputs.sample_rows):
-            idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+            if self.staging is not None:
+                idx = self.staging.logits_index(inputs.logits_indices)
+            else:
+                idx = torch.from_numpy(inputs.logits_indices)
             md = batch.sampling_metadata(inputs.sample_rows)
             if not md.need_logprobs and bool((md.temperature <= GREEDY_EPS).all()):
                 # All greedy: argmax per vocab shard, no full-logit all-gather; drafts only
@@ -143,6 +176,8 @@ class ModelRunner:
     def _to_device(
         self, inputs: BatchInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        if self.staging is not None:
+            return self.staging.stage(inputs)
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:

@@ -96,6 +96,7 @@ class Worker:
         self.runner = ModelRunner(config, self.dist)
         self.runner.load_model()
         self.num_blocks = self.runner.init_kv_cache()
+        self.runner.capture_cuda_graphs()
         self.encoder = Encoder()
         self.decoder = broadcast_decoder(config.max_frame_bytes)
         self.last_step_id = -1
