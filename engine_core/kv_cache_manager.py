@@ -33,6 +33,9 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # sum of every block table's length (a block shared by two tables counts twice): what
+        # the admission gate subtracts from the running requests' full-length needs
+        self.num_held_blocks = 0
 
     @property
     def usage(self) -> float:
@@ -102,9 +105,11 @@ class KVCacheManager:
             if new_computed_blocks:
                 pool.touch(new_computed_blocks)
                 blocks.extend(new_computed_blocks)
+                self.num_held_blocks += num_hit
             if num_new_blocks > 0:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 blocks.extend(new_blocks)
+                self.num_held_blocks += num_new_blocks
         limit = len(blocks) * bs
         if self.enable_caching:
             num_full = (end if end < request.num_tokens else request.num_tokens) // bs
@@ -137,6 +142,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks tail first, so its shared prefix is evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        if blocks:
+            self.num_held_blocks -= len(blocks)
         self.num_cached_block.pop(request.request_id, None)
         request.kv_fast_limit = 0
         if blocks:

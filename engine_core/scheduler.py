@@ -40,9 +40,10 @@ _NO_BLOCKS: list = []  # never mutated: "allocated nothing new"
 
 def _full_len(req: Request) -> int:
     """KV slots a request holds at the end of its life: every token but the last sampled one
-    (it is never fed back), and at least its prompt (a prompt of max_model_len tokens)."""
+    (it is never fed back), and at least its prompt (a prompt of max_model_len tokens).
+    Fixed for the request's life, so the gate can add it on admission and take it back off."""
     n = req.length_limit - 1
-    return n if n > req.num_tokens else req.num_tokens
+    return n if n > req.num_prompt_tokens else req.num_prompt_tokens
 
 
 class Scheduler:
@@ -64,6 +65,7 @@ class Scheduler:
         self.long_prefill_token_threshold = max(0, config.long_prefill_token_threshold)
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.reserve_full_isl = config.scheduler_reserve_full_isl
+        self._full_blocks = 0  # gate: blocks the running requests need at their full length
         self.policy = config.scheduling_policy
         self.eos_token_id = eos_token_id
         self.kv_cache_manager = KVCacheManager(
@@ -181,6 +183,8 @@ class Scheduler:
 
     def _free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
+        if self.reserve_full_isl and req.status == RUNNING:
+            self._full_blocks -= -(-_full_len(req) // self.block_size)
         req.status = status
         if self.trace is not None:
             self.trace.on_finish(req, FINISH_REASONS[status])
@@ -308,6 +312,8 @@ class Scheduler:
         """Preemption by recompute: free every block, start over (tokens are kept)."""
         del self.running[index]
         self.kv_cache_manager.free(victim)
+        if self.reserve_full_isl:
+            self._full_blocks -= -(-_full_len(victim) // self.block_size)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
@@ -333,7 +339,7 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         chunked = self.enable_chunked_prefill
         gate = self.reserve_full_isl
-        reserved = -1  # gate: blocks the running requests still need to reach their full length
+        bs = self.block_size
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek_request()
             hits, num_hit = kvm.get_computed_blocks(req)
@@ -342,9 +348,10 @@ class Scheduler:
             if not chunked and budget < n <= self.max_num_batched_tokens:
                 break
             if gate:
-                if reserved < 0:
-                    reserved = sum(kvm.num_blocks_to_hold(r, _full_len(r)) for r in running)
-                # alone it is admitted anyway: waiting would not make more room
+                # the blocks the running requests still need to reach their full length (only
+                # running requests hold block tables); alone it is admitted anyway: waiting
+                # would not make more room
+                reserved = self._full_blocks - kvm.num_held_blocks
                 need = kvm.num_blocks_to_hold(req, _full_len(req), hits)
                 if running and need + reserved > kvm.num_free_blocks:
                     break
@@ -354,7 +361,7 @@ class Scheduler:
             if kvm.allocate_slots(req, n, num_hit, hits) is None:
                 break
             if gate:
-                reserved += kvm.num_blocks_to_hold(req, _full_len(req))
+                self._full_blocks += -(-_full_len(req) // bs)
             waiting.pop_request()
             running.append(req)
             req.status = RUNNING
@@ -576,3 +583,11 @@ class Scheduler:
         )
         for r in self.running:
             assert self._by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]
+        held = sum(len(b) for b in kvm.req_to_blocks.values())
+        assert kvm.num_held_blocks == held, (kvm.num_held_blocks, held)
+        if self.reserve_full_isl:
+            full = sum(-(-_full_len(r) // self.block_size) for r in self.running)
+            assert self._full_blocks == full, (self._full_blocks, full)
+            # (a request too big for the whole cache runs alone: nothing else is admitted)
+            if len(self.running) > 1:
+                assert full - held <= kvm.num_free_blocks, "admitted requests can run out of KV"

@@ -60,6 +60,8 @@ class Bench:
         opts: dict[str, object] = {}
         if args.trace:  # only then: a "before" tree's EngineConfig has no such field
             opts["scheduler_trace"] = args.trace
+        if args.reserve_full_isl:
+            opts["scheduler_reserve_full_isl"] = True
         cfg = EngineConfig(
             block_size=16,
             max_num_seqs=args.max_num_seqs,
@@ -236,6 +238,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the run")
     p.add_argument("--trace", default=None, metavar="PATH", help="scheduler trace on, to PATH")
+    p.add_argument(
+        "--reserve-full-isl", action="store_true", help="the full-sequence admission gate on"
+    )
     p.add_argument("--compare-trace", action="store_true", help="off vs on vs --before-ref")
     p.add_argument("--before-ref", default=None, metavar="REV", help="git revision to compare")
     p.add_argument("--rounds", type=int, default=5, help="--compare-trace rounds")

@@ -79,6 +79,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def accounting_is_exact(self) -> None:
         check_block_pool(self.kvm.block_pool, self.kvm.req_to_blocks.values())
         assert set(self.kvm.req_to_blocks) == set(self.live)
+        # the admission gate's running total of block-table lengths
+        held = sum(len(b) for b in self.kvm.req_to_blocks.values())
+        assert self.kvm.num_held_blocks == held
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase
