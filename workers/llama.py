@@ -50,7 +50,7 @@ def read_padded(src: WeightSource, name: str, dim: int, start: int, end: int) ->
         return part
     pad_shape = list(part.shape)
     pad_shape[dim] = missing
-    return torch.cat([part, torch.zeros(pad_shape, dtype=part.dtype)], dim=dim)
+    return torch.cat([part, torch.zeros(pad_shape, dtype=part.dtype, device=part.device)], dim=dim)
 
 
 class TPLayout:

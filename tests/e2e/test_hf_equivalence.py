@@ -76,11 +76,20 @@ CASES["tp2-spec-chunked-prefix-preemption"] = dict(
     CASES["tp2-chunked-prefix-preemption"], speculative_ngram=2, num_speculative_tokens=3
 )
 CASES["tp1-spec"] = dict(tensor_parallel_size=1, speculative_ngram=3, num_speculative_tokens=4)
+# The Triton attention backend (the CUDA path's kernels), on CPU tensors under the Triton
+# interpreter: the same pressure, and drafts.
+CASES["tp2-triton-chunked-prefix-preemption"] = dict(
+    CASES["tp2-chunked-prefix-preemption"], attention_backend="triton", device="cpu"
+)
+CASES["tp1-triton-spec"] = dict(CASES["tp1-spec"], attention_backend="triton", device="cpu")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_tokens_equal_transformers(hf_model, case: str) -> None:
+def test_greedy_tokens_equal_transformers(hf_model, case: str, monkeypatch) -> None:
     path, prompts, refs = hf_model
+    if CASES[case].get("attention_backend") == "triton":
+        pytest.importorskip("triton", reason="the triton package is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the worker processes
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     try:
         with LLM(model=path, **CASES[case]) as llm:
