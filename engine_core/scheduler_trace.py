@@ -78,7 +78,7 @@ class SchedulerTrace:
         # a large buffer: a step line of a big batch is several KB, and the default 8 KB
         # buffer would make nearly every line a write() call
         self._f: IO[bytes] = (
-            open(out, "wb", buffering=WRITE_BUFFER) if isinstance(out, str) else out  # noqa: SIM115
+            open(out, "wb", buffering=WRITE_BUFFER) if isinstance(out, str) else out
         )
         self._enc = msgspec.json.Encoder()
         self._buf = bytearray()  # reused for every line
