@@ -1,0 +1,29 @@
+"""bench_scheduler.py --compare-trace runs trace off, trace on and a git revision's scheduler
+in one run and prints their medians (figures are not checked: benchmarks report)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compare_trace_prints_the_three_medians() -> None:
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                      timeout=30).returncode:
+        pytest.skip("not a git checkout: --before-ref needs one")
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_scheduler.py", "--compare-trace", "--before-ref", "HEAD",
+         "--rounds", "1", "--num-requests", "8", "--steps", "5", "--warmup", "2", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("before_us_per_step", "off_us_per_step", "on_us_per_step", "trace_bytes_per_step"):
+        assert isinstance(out[key], (int, float)) and out[key] > 0, key
+    assert out["case"] == "decode8" and out["rounds"] == 1
