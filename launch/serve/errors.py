@@ -7,6 +7,7 @@ validation is what refused the request.
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import Any
 
@@ -14,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("tandem.serve")
 
 
 class APIError(Exception):
@@ -71,6 +74,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
         return error_response(400, message, param)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # a bug here must still answer in the API's shape; the traceback goes to the log
+        logger.exception("unhandled error in a request")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -24,8 +24,10 @@ from protocol.codec import pack
 from protocol.messages import SamplingParams
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
-# death is announced right after. Wait this long for it before calling the error a bad request.
-DEAD_GRACE_S = 0.1
+# death is announced right after (EngineDead, or the process watcher). Wait this long for it
+# before calling the error a bad request; generous because a loaded box delays the announcement,
+# and only requests the engine itself refused (past the checks here) ever wait.
+DEAD_GRACE_S = 1.0
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Choice:
     stop_reason: str | None = None
     error: str | None = None
     arrival: float = 0.0
+    submitted: bool = False
     last_token_ts: float | None = None
 
 
@@ -80,15 +83,12 @@ class Generation:
         self.priority = priority
         self.choices: list[Choice] = []
         self.prompt_tokens = sum(len(p) for p in prompts)
-        tok = engine.tokenizer
+        self.skip_special_tokens = skip_special_tokens
         for p_idx, ids in enumerate(prompts):
             for j in range(n):
                 i = p_idx * n + j
                 rid = base_id if len(prompts) * n == 1 else f"{base_id}-{i}"
-                detok = IncrementalDetokenizer(tok, ids, skip_special_tokens) if tok else None
-                self.choices.append(
-                    Choice(i, rid, ids, detok, StopChecker(stops, include_stop_str))
-                )
+                self.choices.append(Choice(i, rid, ids, None, StopChecker(stops, include_stop_str)))
         self.n = n
         self._unfinished = len(self.choices)
         self._got_token = False
@@ -121,7 +121,10 @@ class Generation:
     def submit(self) -> None:
         if self.engine.dead_reason is not None:
             raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+        tok = self.engine.tokenizer
         for c in self.choices:
+            if tok is not None:  # after validate(): the prompt's ids are known to be tokens
+                c.detok = IncrementalDetokenizer(tok, c.prompt_ids, self.skip_special_tokens)
             params = self.params
             if c.index % self.n and params.seed is not None:
                 # n samples of one seeded request differ from each other but reproduce
@@ -130,6 +133,7 @@ class Generation:
                 c.arrival = self.engine.submit(
                     c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority
                 )
+                c.submitted = True
             except EngineDeadError as e:
                 self.abort()
                 raise APIError(503, f"the engine is dead: {e}") from e
@@ -139,7 +143,8 @@ class Generation:
 
     def abort(self) -> None:
         """Abort every choice still running (client gone, or the response is done)."""
-        running = [c.request_id for c in self.choices if c.finish_reason is None]
+        # only what this generation sent: a refused duplicate id belongs to someone else
+        running = [c.request_id for c in self.choices if c.submitted and c.finish_reason is None]
         if running:
             self.engine.abort(running)
 
