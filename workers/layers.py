@@ -110,6 +110,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param((self.rows, hidden), dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows >= self.vocab:  # one shard holds every id: no masking, no reduce
+            return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
         # Other ranks own these ids: look up row 0 and zero it, the all-reduce fills them in.
@@ -181,10 +183,13 @@ class ParallelLMHead(nn.Module):
             # One pass over the model-dtype logits: no float32 copy, no masking pass.
             best, idx = cpu_ops.argmax(logits, cols=max(0, self.rows - pad))
         else:
-            logits = linear(hidden, weight, self.packed).float()
+            # argmax in the model dtype: the float32 copy of [N, vocab] logits would add a
+            # full write and read (max and its index are the same either way).
+            logits = linear(hidden, weight, self.packed)
             if pad > 0:
                 logits[:, self.rows - pad :] = float("-inf")
             best, idx = logits.max(dim=-1)
+            best = best.float()
         if tp_world_size() == 1:
             return idx
         # Ids < 2**24 are exact in float32, so (max, id) travel in one small gather.

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workers.host_copy import to_device
+
 # Below this a temperature means greedy (vLLM's convention for "0").
 GREEDY_EPS = 1e-5
 # Exponential noise of exactly 0 would turn p / q into inf or nan (0 / 0 for masked tokens).
@@ -81,7 +83,7 @@ class Sampler:
             return SamplerOutput(tokens, lp)
 
         rand_rows = np.flatnonzero(~greedy)
-        x = process_logits(logits[torch.from_numpy(rand_rows).to(self.device)], md, rand_rows)
+        x = process_logits(logits[to_device(rand_rows, self.device)], md, rand_rows)
         probs = torch.softmax(x, dim=-1)
         gens = md.generators
         noise = self.noise([gens.get(i) for i in rand_rows.tolist()], x.shape[1])
@@ -92,11 +94,11 @@ class Sampler:
         else:
             # Greedy rows take argmax and consume no randomness.
             tokens = logits.argmax(dim=-1)
-            tokens[torch.from_numpy(rand_rows).to(self.device)] = rand_tokens
+            tokens[to_device(rand_rows, self.device)] = rand_tokens
         lp = None
         if md.need_logprobs:
             lp = gather_logprobs(logits, tokens)
-            idx = torch.from_numpy(rand_rows).to(self.device)
+            idx = to_device(rand_rows, self.device)
             lp[idx] = gather_logprobs(x, rand_tokens)
         return SamplerOutput(tokens, lp)
 
@@ -110,7 +112,7 @@ class Sampler:
             if shared:
                 block = torch.empty((len(shared), vocab), dtype=torch.float32, device=self.device)
                 block.exponential_(generator=self.shared_generator)
-                q[torch.tensor(shared, device=self.device)] = block
+                q[to_device(np.array(shared), self.device)] = block
             for i, g in enumerate(gens):
                 if g is not None:
                     q[i].exponential_(generator=g)
@@ -130,7 +132,7 @@ class Sampler:
             idx = np.flatnonzero(np.repeat(np.array(shared), counts))
             block = torch.empty(len(idx), dtype=torch.float32, device=self.device)
             block.uniform_(generator=self.shared_generator)
-            u[torch.from_numpy(idx).to(self.device)] = block
+            u[to_device(idx, self.device)] = block
         start = 0
         for g, c in zip(gens, counts.tolist(), strict=True):
             if g is not None and c:
@@ -145,7 +147,7 @@ def process_logits(x: torch.Tensor, md: SamplingMetadata, rows: np.ndarray) -> t
     ``x`` holds the float32 logits of ``rows`` (indices into ``md``); masked tokens are -inf.
     Speculative verification calls this too, so accepted drafts follow the same distribution.
     """
-    temp = torch.from_numpy(md.temperature[rows]).to(x.device)
+    temp = to_device(md.temperature[rows], x.device)
     x = x / temp.unsqueeze(1)
     x = _apply_top_k_top_p(x, md.top_k[rows], md.top_p[rows])
     return _apply_min_p(x, md.min_p[rows])
@@ -167,10 +169,10 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) ->
     drop = torch.zeros_like(sorted_x, dtype=torch.bool)
     if use_k:
         k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab).astype(np.int64)
-        drop |= ranks >= torch.from_numpy(k).to(x.device).unsqueeze(1)
+        drop |= ranks >= to_device(k, x.device).unsqueeze(1)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     if use_p:
-        p = torch.from_numpy(np.asarray(top_p, dtype=np.float32)).to(x.device).unsqueeze(1)
+        p = to_device(np.asarray(top_p, dtype=np.float32), x.device).unsqueeze(1)
         probs = torch.softmax(sorted_x, dim=-1)
         # Mass strictly before each token; the top token (0 before it) always survives.
         before = probs.cumsum(dim=-1) - probs
@@ -183,9 +185,8 @@ def _apply_min_p(x: torch.Tensor, min_p: np.ndarray) -> torch.Tensor:
     if not bool((min_p > 0).any()):
         return x
     probs = torch.softmax(x, dim=-1)
-    thresh = probs.amax(dim=-1, keepdim=True) * torch.from_numpy(
-        np.asarray(min_p, dtype=np.float32)
-    ).to(x.device).unsqueeze(1)
+    thresh = probs.amax(dim=-1, keepdim=True) * to_device(
+        np.asarray(min_p, dtype=np.float32), x.device).unsqueeze(1)
     return x.masked_fill(probs < thresh, float("-inf"))
 
 
