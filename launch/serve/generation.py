@@ -91,6 +91,7 @@ class Generation:
                 self.choices.append(Choice(i, rid, ids, None, StopChecker(stops, include_stop_str)))
         self.n = n
         self._unfinished = len(self.choices)
+        self.answered = False  # set once the whole response (or its error) is written
         self._got_token = False
 
     # ------------------------------------------------------------------ start
@@ -141,12 +142,23 @@ class Generation:
                 self.abort()
                 raise bad_request(str(e), "request_id") from e
 
-    def abort(self) -> None:
+    def abort(self, client_gone: bool = False) -> None:
         """Abort every choice still running (client gone, or the response is done)."""
         # only what this generation sent: a refused duplicate id belongs to someone else
         running = [c.request_id for c in self.choices if c.submitted and c.finish_reason is None]
         if running:
             self.engine.abort(running)
+            for c in self.choices:
+                if c.submitted and c.finish_reason is None:
+                    c.finish_reason = "abort"
+                    self._unfinished -= 1
+            if client_gone:
+                self.metrics.on_client_gone(len(running))
+
+    def close(self) -> None:
+        """The response is over, however it ended: abort what is left, counted as the client
+        leaving unless the response was sent to its end."""
+        self.abort(client_gone=not self.answered)
 
     # ------------------------------------------------------------------ outputs
 

@@ -53,12 +53,16 @@ class ServerMetrics:
                                          labels, registry=r)
         self.finished = Counter("tandem:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
+        self.client_aborts = Counter("tandem:request_aborted_by_client",
+                                     "Engine requests aborted because the HTTP client left",
+                                     labels, registry=r)
         self._labels = {"model_name": model_name}
         self._ttft = self.ttft.labels(**self._labels)
         self._itl = self.itl.labels(**self._labels)
         self._e2e = self.e2e.labels(**self._labels)
         self._gen = self.generation_tokens.labels(**self._labels)
         self._prompt = self.prompt_tokens.labels(**self._labels)
+        self._gone = self.client_aborts.labels(**self._labels)  # exported from 0 on
 
     def on_tokens(self, c: Choice, n: int, ts: float) -> None:
         if c.last_token_ts is None:
@@ -75,6 +79,9 @@ class ServerMetrics:
         if count_prompt:
             self._prompt.inc(len(c.prompt_ids))
         self.finished.labels(finished_reason=c.finish_reason or "unknown", **self._labels).inc()
+
+    def on_client_gone(self, n: int) -> None:
+        self._gone.inc(n)
 
     def render(self, report: HealthReport | None, in_flight: int) -> bytes:
         if report is not None:

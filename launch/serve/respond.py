@@ -43,20 +43,21 @@ async def respond(
     try:
         first = await until_disconnected(request, gen.first())
     except ClientGone:
-        gen.abort()
+        gen.close()
         return Response(status_code=499)
     except BaseException:
         gen.abort()
         raise
     if stream:
         events = _events(gen, first, head, chunks, include_usage, continuous_usage)
-        return SSEResponse(events, on_close=gen.abort)
+        return SSEResponse(events, on_close=gen.close)
     try:
         await until_disconnected(request, _drain(gen, first))
+        gen.answered = True
     except ClientGone:
         return Response(status_code=499)
     finally:
-        gen.abort()
+        gen.close()
     failed = await gen.failure()
     if failed is not None:
         raise failed
@@ -80,6 +81,7 @@ async def _events(
         if any(d.finish_reason == "error" for d in deltas):
             failed = await gen.failure()
             err = failed or APIError(500, "request failed")
+            gen.answered = True
             yield sse(error_body(err.status, err.message)) + DONE
             return
         parts = []
@@ -89,6 +91,6 @@ async def _events(
                 obj["usage"] = gen.usage()
             parts.append(sse(obj))
         yield "".join(parts)
-    if include_usage:
-        yield sse(head | {"choices": [], "usage": gen.usage()})
-    yield DONE
+    gen.answered = True
+    tail = sse(head | {"choices": [], "usage": gen.usage()}) if include_usage else ""
+    yield tail + DONE
