@@ -20,6 +20,7 @@ import torch
 
 from workers import attention, cpu_ops, triton_ops
 from workers.attention import AttentionMetadata, GatherScratch
+from workers.layers import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class AttentionStep(ABC):
         self.meta = meta
 
     @abstractmethod
-    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, rope: torch.nn.Module,
+    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                  q_heads: int, kv_heads: int, head_dim: int, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """qkv [T, (q_heads + 2 * kv_heads) * head_dim] (modified in place) -> [T, q_heads,
