@@ -4,7 +4,13 @@ Each request runs in its own thread (LLM.generate_stream of one prompt), started
 time: a Poisson process at --request-rate (gamma with shape --burstiness; 1 = Poisson), all at
 once when the rate is inf, and at most --max-concurrency in flight when given.
 
+With --base-url the same arrival process drives any OpenAI-compatible server instead (Tandem's
+`python -m launch serve`, vLLM, SGLang): streamed /v1/completions with token-id prompts, one
+asyncio task per request; --with-python-api then runs the same workload through the Python API
+in the same run and reports it under "python_api".
+
     python scripts/bench_serve.py --num-prompts 200 --request-rate 20 --slo ttft=200,tpot=50 --json
+    python scripts/bench_serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 --json
 
 Last stdout line with --json: ttft/tpot/itl/e2el x {mean, median, p90, p95, p99} in ms
 (e.g. "ttft_p99_ms"), "request_throughput", "output_tokens_per_s", "goodput_rps", ...
@@ -86,6 +92,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-warmup", type=int, default=2, help="untimed requests first")
     g.add_argument("--slo", type=parse_slo, default={}, help="goodput SLOs in ms: ttft=,tpot=")
     g.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    h = p.add_argument_group("HTTP (an OpenAI-compatible server instead of the Python API)")
+    h.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000")
+    h.add_argument("--served-model-name", default=None,
+                   help="`model` sent in requests (default: the first of GET /v1/models)")
+    h.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
+    h.add_argument("--vocab-size", type=int, default=None,
+                   help="random prompt token ids are drawn below this (default: the server's "
+                   "vocabulary when it is Tandem's --model, else 32000)")
+    h.add_argument("--with-python-api", action="store_true",
+                   help="also run the same workload through the Python API (engine flags as "
+                   "given here) and report it under python_api")
     return p.parse_args(argv)
 
 
@@ -204,7 +221,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    res = run(args)
+    if args.base_url:
+        from bench_serve_http import run_http
+
+        res = run_http(args)
+    else:
+        res = run(args)
     if args.json:
         emit_json(res)
         return 0 if res["failed"] == 0 else 1
@@ -218,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{s} {res[f'{m}_{s}_ms']:.1f}" for s in ("mean", "median", "p90", "p95", "p99")
         )
         print(f"  {m:<5} ms: {vals}")
+    if "python_api" in res:
+        py = res["python_api"]
+        print(
+            f"  Python API, same workload: {py['output_tokens_per_s']:.0f} output tok/s, "
+            f"TTFT median {py['ttft_median_ms']:.1f} ms; HTTP/Python throughput "
+            f"{res['http_over_python_throughput']:.3f}"
+        )
     if "non_forward_fraction" in res:
         keys = {"steps", "non_forward_fraction"}
         print_breakdown({k: v for k, v in res.items() if k.endswith("_median_us") or k in keys})
