@@ -2,7 +2,12 @@
 
 A free block may still hold a cached prefix (it keeps its hash until reused), so "free" means
 "evictable": the free queue doubles as the LRU list of cache candidates. Block 0 is the null
-block: a placeholder id that is never handed out.
+block: a placeholder id that is never handed out (sliding-window groups put it where their
+blocks fell out of the window).
+
+KV cache groups (protocol.kv_cache_spec) share this one pool; a block belongs to one group at a
+time. The same token prefix has one cached block per group, so the hash map's key is the block
+hash for group 0 (a single-group model pays nothing) and (hash, group) for the others.
 """
 
 from __future__ import annotations
@@ -14,8 +19,18 @@ from engine_core.kv_cache_block import KVCacheBlock
 from engine_core.request import BlockHash, Request
 
 
+def group_key(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The hash-map key of a block of ``group_id`` holding the prefix ``block_hash``."""
+    return block_hash if group_id == 0 else (block_hash, group_id)
+
+
+def key_group(key: BlockHash) -> int:
+    """The group a hash-map key belongs to (hashes are bytes or ints, never tuples)."""
+    return key[1] if type(key) is tuple else 0
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -26,24 +41,36 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         # one block per hash: a second block computing the same content simply stays uncached
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # registered blocks per group (the trace's "cached"), kept exact on register / evict
+        self.num_cached_blocks = [0] * num_groups
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
     def cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_cached: int, num_full: int
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached: int,
+        num_full: int,
+        group_id: int = 0,
     ) -> None:
         """Register blocks[num_cached:num_full] of ``request`` (all full) in the hash map."""
         table = self.cached_block_hash_to_block
         hashes = request.block_hashes
+        added = 0
         for i in range(num_cached, num_full):
             block = blocks[i]
-            if block.block_hash is not None:  # a prefix-cache hit: already registered
+            # a prefix-cache hit is already registered; the null block (a window group's
+            # freed position) never is
+            if block.block_hash is not None or block.is_null:
                 continue
-            h = hashes[i]
+            h = hashes[i] if group_id == 0 else (hashes[i], group_id)
             if h not in table:
                 block.block_hash = h
                 table[h] = block
+                added += 1
+        self.num_cached_blocks[group_id] += added
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take blocks from the LRU end; a reused cache candidate loses its hash entry."""
@@ -52,6 +79,7 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None:
                 del table[block.block_hash]
+                self.num_cached_blocks[key_group(block.block_hash)] -= 1
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -80,6 +108,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.num_cached_blocks = [0] * len(self.num_cached_blocks)
         return True
 
     def get_num_free_blocks(self) -> int:

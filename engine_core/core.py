@@ -28,6 +28,7 @@ from engine_core.step_timeline import StepTimeline
 from engine_core.validation import validate_prompt, validate_sampling
 from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack, worker_decoder
 from protocol.config import EngineConfig
+from protocol.kv_cache_spec import kv_cache_groups
 from protocol.liveness import process_running
 from protocol.messages import (
     AbortRequests,
@@ -156,16 +157,27 @@ class EngineCore:
         budget = self.config.max_num_batched_tokens or (
             GPU_MAX_BATCHED_TOKENS if h0.device.startswith("cuda") else CPU_MAX_BATCHED_TOKENS
         )
+        # the model's KV cache groups, from the per-layer KV spec every rank reports
+        windows = {tuple(h.layer_windows) for h in hellos.values()}
+        if len(windows) != 1:
+            raise EngineFatal(f"ranks report different per-layer KV specs: {sorted(windows)}")
+        groups = kv_cache_groups(h0.layer_windows)
         self.scheduler = Scheduler(
-            self.config, self.num_blocks, self.max_model_len, budget, eos_token_id=self.eos_token_id
+            self.config,
+            self.num_blocks,
+            self.max_model_len,
+            budget,
+            eos_token_id=self.eos_token_id,
+            kv_cache_groups=groups,
         )
         self.last_seen = [time.monotonic()] * self.world_size
         logger.info(
-            "engine ready: %d ranks on %s, %d KV blocks of %d tokens",
+            "engine ready: %d ranks on %s, %d KV blocks of %d tokens, KV cache groups %s",
             self.world_size,
             self.device,
             self.num_blocks,
             self.config.block_size,
+            [(g.kind, g.sliding_window, len(g.layer_ids)) for g in groups],
         )
         self._send_frontend(
             EngineReady(

@@ -3,14 +3,27 @@
 The scheduler asks two questions: "what prefix of this request is already cached?"
 (get_computed_blocks) and "can this request get room for N more tokens?" (allocate_slots,
 all or nothing).
+
+A model has one KV cache group per attention type (protocol.kv_cache_spec): one block table
+per group and request, all of the same length, in one shared BlockPool. The group managers
+(single_type_kv_cache_manager.py) know what differs per type; the coordinator
+(kv_cache_coordinator.py) finds the prefix-cache hit every group accepts. A single
+full-attention group (every Llama) takes the same steps as before groups existed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 from engine_core.block_pool import BlockPool
 from engine_core.kv_cache_block import KVCacheBlock
+from engine_core.kv_cache_coordinator import KVCacheBlocks, make_coordinator
 from engine_core.kv_cache_hashing import BlockHasher, get_hash_fn
 from engine_core.request import Request
+from engine_core.single_type_kv_cache_manager import make_manager
+from protocol.kv_cache_spec import KVCacheGroupSpec
+
+_NO_LIMIT = 1 << 62
 
 
 class KVCacheManager:
@@ -20,22 +33,37 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_fn: str = "sha256",
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        max_chunk: int = 8192,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        groups = list(kv_cache_groups) if kv_cache_groups else [KVCacheGroupSpec(0, ())]
+        self.kv_cache_groups = groups
+        self.num_groups = len(groups)
         self.num_blocks = num_blocks  # including the null block
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.num_groups)
         self.block_hasher = BlockHasher(block_size, get_hash_fn(hash_fn))
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # how many leading blocks of each request are registered in the prefix cache
-        self.num_cached_block: dict[str, int] = {}
+        # max_chunk: the most tokens one allocation covers (token budget + drafts), which
+        # bounds what a sliding-window group holds at once
+        self.managers = [
+            make_manager(self.block_pool, block_size, g, spec.sliding_window, max_chunk)
+            for g, spec in enumerate(groups)
+        ]
+        self.window_managers = [m for m in self.managers if m.sliding_window]
+        self.coordinator = make_coordinator(self.managers, enable_caching)
+        # group 0's tables: every group's table of a request has this length
+        self.req_to_blocks = self.managers[0].req_to_blocks
+        self.num_cached_block = self.managers[0].num_cached_block
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
-        # sum of every block table's length (a block shared by two tables counts twice): what
-        # the admission gate subtracts from the running requests' full-length needs
+        # real (non-null) blocks in every table (a block shared by two tables counts twice):
+        # what the admission gate subtracts from the running requests' full-length needs
         self.num_held_blocks = 0
+        # blocks that sliding-window groups gave back as requests advanced, per group
+        self.num_freed_by_window = [0] * self.num_groups
 
     @property
     def usage(self) -> float:
@@ -50,110 +78,166 @@ class KVCacheManager:
         if self.enable_caching:
             request.set_block_hasher(self.block_hasher, self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks, capped so at least one token is computed
-        (the model must run on something to sample the next token)."""
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of full blocks that every group accepts, capped so at least
+        one token is computed (the model must run on something to sample the next token).
+        Returns (hit blocks per group, or [] for none; hit length in tokens)."""
         if not self.enable_caching:
             return [], 0
-        table = self.block_pool.cached_block_hash_to_block
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for h in request.block_hashes[:max_blocks]:
-            block = table.get(h)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        hits, num_hit_blocks = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_blocks
+        )
+        num_hit_tokens = num_hit_blocks * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Sliding-window groups give back the blocks no later query of ``request`` can see
+        (every query from num_computed_tokens on); the null block takes their place."""
+        rid = request.request_id
+        for m in self.window_managers:
+            if rid in m.req_to_blocks:
+                freed = m.remove_skipped_blocks(rid, num_computed_tokens)
+                if freed:
+                    self.num_held_blocks -= freed
+                    self.num_freed_by_window[m.group_id] += freed
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Room for ``num_new_tokens`` (+ lookahead) after the computed ones.
 
-        Returns the newly allocated blocks (maybe empty), or None when they do not fit, in
-        which case nothing changed. Blocks are registered in the prefix cache only up to
-        request.num_tokens, so speculative tokens never enter it.
+        Returns the newly allocated blocks, group 0's then group 1's ... (the same number per
+        group, maybe none), or None when they do not fit, in which case nothing changed
+        except that window groups may have given back blocks no query can see any more.
+        Blocks are registered in the prefix cache only up to request.num_tokens, so
+        speculative tokens never enter it.
         """
         rid = request.request_id
+        managers = self.managers
+        if self.window_managers:
+            # first, so the blocks that left the window can serve this allocation
+            self.remove_skipped_blocks(request, request.num_computed_tokens
+                                       + num_new_computed_tokens)
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:  # first allocation: registered only if it succeeds
             blocks = []
-            self.req_to_blocks[rid] = blocks
+            for m in managers:
+                m.req_to_blocks[rid] = [] if m.group_id else blocks
         bs = self.block_size
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+        num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         num_new_blocks = (end + num_lookahead_tokens + bs - 1) // bs - len(blocks) - num_hit
         pool = self.block_pool
         new_blocks: list[KVCacheBlock] = []
         if num_new_blocks > 0 or num_hit:
             # hits on free blocks leave the free queue, so they compete with new blocks
-            num_evictable_hits = (
-                sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
-            )
-            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable_hits:
+            num_evictable_hits = 0
+            if new_computed_blocks:
+                for hits in new_computed_blocks:
+                    for b in hits:
+                        if b.ref_cnt == 0 and not b.is_null:
+                            num_evictable_hits += 1
+            total_new = num_new_blocks * len(managers) if num_new_blocks > 0 else 0
+            if total_new > pool.free_block_queue.num_free_blocks - num_evictable_hits:
                 if not blocks:
-                    del self.req_to_blocks[rid]
+                    for m in managers:
+                        del m.req_to_blocks[rid]
                 return None
             if new_computed_blocks:
-                pool.touch(new_computed_blocks)
-                blocks.extend(new_computed_blocks)
-                self.num_held_blocks += num_hit
+                for m, hits in zip(managers, new_computed_blocks, strict=True):
+                    self.num_held_blocks += m.add_hits(rid, m.req_to_blocks[rid], hits)
             if num_new_blocks > 0:
-                new_blocks = pool.get_new_blocks(num_new_blocks)
-                blocks.extend(new_blocks)
-                self.num_held_blocks += num_new_blocks
+                if len(managers) == 1:
+                    new_blocks = pool.get_new_blocks(num_new_blocks)
+                    blocks.extend(new_blocks)
+                else:
+                    new_blocks = pool.get_new_blocks(total_new)
+                    for i, m in enumerate(managers):
+                        m.req_to_blocks[rid].extend(
+                            new_blocks[i * num_new_blocks : (i + 1) * num_new_blocks]
+                        )
+                self.num_held_blocks += total_new
         limit = len(blocks) * bs
         if self.enable_caching:
             num_full = (end if end < request.num_tokens else request.num_tokens) // bs
             num_cached = self.num_cached_block.get(rid, 0)
             if num_full > num_cached:
-                pool.cache_full_blocks(request, blocks, num_cached, num_full)
-                self.num_cached_block[rid] = num_cached = num_full
+                for m in managers:
+                    pool.cache_full_blocks(request, m.req_to_blocks[rid], num_cached, num_full,
+                                           m.group_id)
+                    m.num_cached_block[rid] = num_full
+                num_cached = num_full
             # the next call with an end past this fills a block that must be cached
             next_full = (num_cached + 1) * bs - 1
             if next_full < limit:
                 limit = next_full
+        for m in self.window_managers:
+            # a step that starts at or past this frees blocks: it must call allocate_slots
+            nxt = m.next_removal(rid)
+            if nxt < limit:
+                limit = nxt
         request.kv_fast_limit = limit
         return new_blocks
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """The most blocks (all groups) a request of num_tokens KV slots holds at one time."""
+        return sum(m.max_blocks(num_tokens) for m in self.managers)
 
     def num_blocks_to_hold(
         self,
         request: Request,
         num_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
     ) -> int:
         """How many blocks ``request`` would still take from the free queue to hold
         ``num_tokens`` KV slots: new blocks past what it holds (and its prefix-cache hits
         cover), plus the hits that sit in the free queue (touching them takes them out)."""
-        hits = new_computed_blocks or ()
-        held = len(self.req_to_blocks.get(request.request_id, ())) + len(hits)
-        need = -(-num_tokens // self.block_size) - held
-        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        return (need if need > 0 else 0) + evictable_hits
+        rid = request.request_id
+        total = 0
+        for g, m in enumerate(self.managers):
+            hits = new_computed_blocks[g] if new_computed_blocks else ()
+            live_hits = 0
+            for b in hits:
+                if not b.is_null:
+                    live_hits += 1
+                    if b.ref_cnt == 0:
+                        total += 1  # evictable: touching it takes it out of the free queue
+            need = m.max_blocks(num_tokens) - m.num_live_blocks(rid) - live_hits
+            if need > 0:
+                total += need
+        return total
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail first, so its shared prefix is evicted last."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        if blocks:
-            self.num_held_blocks -= len(blocks)
-        self.num_cached_block.pop(request.request_id, None)
+        rid = request.request_id
+        for m in self.managers:
+            self.num_held_blocks -= m.free(rid)
         request.kv_fast_limit = 0
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Group 0's table."""
         return self.req_to_blocks.get(request.request_id, [])
 
     def get_block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
+        """Every group's table, group 0's first (the wire's layout)."""
+        rid = request.request_id
+        if self.num_groups == 1:
+            return [b.block_id for b in self.req_to_blocks.get(rid, ())]
+        return [b.block_id for m in self.managers for b in m.req_to_blocks.get(rid, ())]
+
+    def held_tables(self) -> Iterator[list[KVCacheBlock]]:
+        """Every table's real blocks (null placeholders left out), for invariant checks."""
+        for m in self.managers:
+            for blocks in m.req_to_blocks.values():
+                yield [b for b in blocks if not b.is_null] if m.sliding_window else blocks
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

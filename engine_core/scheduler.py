@@ -14,7 +14,7 @@ what the running requests still need for theirs, so admitted requests never pree
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine_core.invariants import check_block_pool, check_scheduler_queues
 from engine_core.kv_cache_manager import KVCacheManager
@@ -26,6 +26,7 @@ from engine_core.scheduler_trace import SchedulerTrace, trace_header
 from engine_core.scheduler_update import SchedulerUpdate
 from protocol.codec import pack
 from protocol.config import EngineConfig
+from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.messages import (
     NewRequestData,
     RequestOutput,
@@ -54,6 +55,7 @@ class Scheduler(SchedulerUpdate):
         max_model_len: int,
         max_num_batched_tokens: int,
         eos_token_id: int | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -68,8 +70,15 @@ class Scheduler(SchedulerUpdate):
         self._full_blocks = 0  # gate: blocks the running requests need at their full length
         self.policy = config.scheduling_policy
         self.eos_token_id = eos_token_id
+        # one KV cache group per attention type (sliding-window / hybrid models); None: one
+        # full-attention group. A step allocates at most the budget plus drafts per request.
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.prefix_hash
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_hash,
+            kv_cache_groups,
+            max_chunk=max_num_batched_tokens + config.num_speculative_tokens,
         )
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -137,7 +146,7 @@ class Scheduler(SchedulerUpdate):
         if n > self.max_model_len:
             return f"prompt has {n} tokens, more than max_model_len {self.max_model_len}"
         usable = self.kv_cache_manager.num_blocks - 1
-        need = -(-n // self.block_size)
+        need = self.kv_cache_manager.max_blocks(n)
         if need > usable:
             return (
                 f"prompt has {n} tokens and needs {need} KV cache blocks of "
@@ -184,7 +193,7 @@ class Scheduler(SchedulerUpdate):
     def _free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
         if self.reserve_full_isl and req.status == RUNNING:
-            self._full_blocks -= -(-_full_len(req) // self.block_size)
+            self._full_blocks -= self.kv_cache_manager.max_blocks(_full_len(req))
         req.status = status
         if self.trace is not None:
             self.trace.on_finish(req, FINISH_REASONS[status])
@@ -217,7 +226,7 @@ class Scheduler(SchedulerUpdate):
         finished, self._finished_handles = self._finished_handles, []
         if self.trace is not None:
             self.trace.on_schedule(self, diff, step_id)
-        return diff.build(step_id, finished, len(self.running))
+        return diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups)
 
     def _schedule_running(self, diff: StepDiff, budget: int) -> int:
         running = self.running
@@ -313,7 +322,7 @@ class Scheduler(SchedulerUpdate):
         del self.running[index]
         self.kv_cache_manager.free(victim)
         if self.reserve_full_isl:
-            self._full_blocks -= -(-_full_len(victim) // self.block_size)
+            self._full_blocks -= self.kv_cache_manager.max_blocks(_full_len(victim))
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0
@@ -339,7 +348,6 @@ class Scheduler(SchedulerUpdate):
         threshold = self.long_prefill_token_threshold
         chunked = self.enable_chunked_prefill
         gate = self.reserve_full_isl
-        bs = self.block_size
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek_request()
             hits, num_hit = kvm.get_computed_blocks(req)
@@ -361,7 +369,7 @@ class Scheduler(SchedulerUpdate):
             if kvm.allocate_slots(req, n, num_hit, hits) is None:
                 break
             if gate:
-                self._full_blocks += -(-_full_len(req) // bs)
+                self._full_blocks += kvm.max_blocks(_full_len(req))
             waiting.pop_request()
             running.append(req)
             req.status = RUNNING
@@ -428,16 +436,19 @@ class Scheduler(SchedulerUpdate):
 
     def check_invariants(self) -> None:
         kvm = self.kv_cache_manager
-        check_block_pool(kvm.block_pool, kvm.req_to_blocks.values())
+        check_block_pool(kvm.block_pool, kvm.held_tables())
         check_scheduler_queues(
             self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs
         )
         for r in self.running:
             assert self._by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]
-        held = sum(len(b) for b in kvm.req_to_blocks.values())
+        held = sum(len(b) for b in kvm.held_tables())
         assert kvm.num_held_blocks == held, (kvm.num_held_blocks, held)
+        for m in kvm.managers[1:]:
+            for rid, blocks in m.req_to_blocks.items():
+                assert len(blocks) == len(kvm.req_to_blocks[rid]), f"{rid}: group tables differ"
         if self.reserve_full_isl:
-            full = sum(-(-_full_len(r) // self.block_size) for r in self.running)
+            full = sum(kvm.max_blocks(_full_len(r)) for r in self.running)
             assert self._full_blocks == full, (self._full_blocks, full)
             # (a request too big for the whole cache runs alone: nothing else is admitted)
             if len(self.running) > 1:

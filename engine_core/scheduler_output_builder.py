@@ -49,12 +49,15 @@ class StepDiff:
         self.spec.pop(handle, None)
         return self.overrides.pop(handle, 1)
 
-    def build(self, step_id: int, finished: list[int], num_running: int) -> SchedulerOutput:
+    def build(
+        self, step_id: int, finished: list[int], num_running: int, num_groups: int = 1
+    ) -> SchedulerOutput:
         grown = self.grown
         if grown:
+            # every group grew by the same count; the ids list group 0's first (the wire rule)
             cached = CachedRequestData(
                 pack(list(grown)),
-                pack([len(blocks) for blocks in grown.values()]),
+                pack([len(blocks) // num_groups for blocks in grown.values()]),
                 pack([b.block_id for blocks in grown.values() for b in blocks]),
             )
         else:

@@ -30,6 +30,7 @@ from engine_core.scheduler_trace import (
 )
 from protocol.codec import pack, unpack
 from protocol.config import EngineConfig
+from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 
@@ -175,12 +176,18 @@ def build_scheduler(header: dict[str, Any], overrides: dict[str, Any] | None = N
     cfg.update(overrides or {})
     cfg["scheduler_trace"] = None  # the replay records into memory, not over the trace
     config = msgspec.convert(cfg, EngineConfig)
+    # the model's KV cache groups (older traces name none: one full-attention group)
+    groups = [
+        KVCacheGroupSpec(g.get("sliding_window", 0), tuple(g.get("layer_ids", ())))
+        for g in header.get("groups", ())
+    ]
     return Scheduler(
         config,
         header["num_blocks"],
         header["max_model_len"],
         header["max_num_batched_tokens"],
         header["eos_token_id"],
+        kv_cache_groups=groups or None,
     )
 
 

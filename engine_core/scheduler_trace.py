@@ -6,7 +6,7 @@ call, so a replay makes the same calls in the same order (with async scheduling,
 planned before step k's output is applied, and arrivals fall in between).
 
   header   once: format version, the EngineConfig, KV blocks, max_model_len, token budget,
-           eos id and the KV cache groups (one full-attention group today)
+           eos id and the KV cache groups (kind, window, layers; full attention first)
   arrival  add_request: request id, prompt token ids, sampling params, priority, cache salt
   abort    finish_requests from outside (aborts): the ids and the finish reason
   step     one schedule() call; written once its model output is applied, so it carries the
@@ -64,8 +64,16 @@ def trace_header(sched: Scheduler) -> dict[str, Any]:
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "eos_token_id": sched.eos_token_id,
         # one entry per KV cache group; each step's "groups" list follows this order
+        # (the groups share one pool of num_blocks blocks)
         "groups": [
-            {"kind": "full_attention", "block_size": sched.block_size, "num_blocks": kvm.num_blocks}
+            {
+                "kind": spec.kind,
+                "block_size": sched.block_size,
+                "num_blocks": kvm.num_blocks,
+                "sliding_window": spec.sliding_window,
+                "layer_ids": list(spec.layer_ids),
+            }
+            for spec in kvm.kv_cache_groups
         ],
     }
 
@@ -87,6 +95,7 @@ class SchedulerTrace:
         self._reqs: dict[str, Request] = {}  # unfinished requests, for their finish record
         self._preempted: set[str] = set()  # preempted and waiting to resume
         self._prefix = (0, 0)  # prefix-cache queries and hits at the last step
+        self._freed: list[int] = []  # blocks freed by windows per group at the last step
         self._last_flush = time.monotonic()
         self._write(header)
 
@@ -190,6 +199,11 @@ class SchedulerTrace:
         last_queries, last_hits = self._prefix
         self._prefix = (queries, hits)
         num_preempted = len(self._preempted)
+        freed_total = kvm.num_freed_by_window
+        last_freed = self._freed or [0] * len(freed_total)
+        self._freed = list(freed_total)
+        free = kvm.num_free_blocks
+        cached = kvm.block_pool.num_cached_blocks
         self._pending[step_id] = {
             "type": "step",
             "seq": self._next_seq(),
@@ -206,13 +220,16 @@ class SchedulerTrace:
             "decisions": decisions,
             "preemptions": len(diff.preempted),
             # one entry per KV cache group (header "groups"); free counts cached-but-evictable
-            # blocks, cached = blocks registered in the prefix cache (in use or free)
+            # blocks of the shared pool, cached = the group's blocks registered in the prefix
+            # cache (in use or free), freed_by_window = blocks the group's window gave back
+            # while this step was planned (and since the previous step)
             "groups": [
                 {
-                    "free": kvm.num_free_blocks,
-                    "cached": len(kvm.block_pool.cached_block_hash_to_block),
-                    "freed_by_window": 0,  # no sliding-window groups yet
+                    "free": free,
+                    "cached": cached[g],
+                    "freed_by_window": freed_total[g] - last_freed[g],
                 }
+                for g in range(len(freed_total))
             ],
             "prefix_queries": queries - last_queries,  # tokens looked up this step
             "prefix_hits": hits - last_hits,  # of those, tokens found

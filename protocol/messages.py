@@ -19,6 +19,15 @@ The step plan (``SchedulerOutput``) is a *diff* against what every worker alread
   drafts, which they know because they sampled), and append their own sampled tokens.
 So a steady decode step (everyone gets one token, nobody arrives or leaves, no new block)
 is a handful of bytes whatever the batch size.
+
+KV cache groups (protocol.kv_cache_spec): a model with G > 1 groups (sliding-window or hybrid
+layers) has one block table per group and request, and every group's table of a request has
+the same length (each covers the same tokens; a sliding-window group holds the null block 0
+where its blocks fell out of the window). So the block-id fields below carry G runs of equal
+length, group 0's first: ``block_ids`` is G * n ids for an n-block table, and in
+``CachedRequestData`` a count c of ``new_block_counts`` stands for G * c ids in
+``new_block_ids``. With one group nothing changes, not a byte. Blocks a window group frees are
+not announced: the workers never read keys outside a layer's window.
 """
 
 from __future__ import annotations
@@ -148,7 +157,7 @@ class NewRequestData(msgspec.Struct, array_like=True, kw_only=True):
     handle: int
     prompt_token_ids: bytes  # packed int32
     sampling_params: SamplingParams
-    block_ids: bytes  # packed int32: the request's whole block table
+    block_ids: bytes  # packed int32: the request's whole block table (per group, see above)
     num_computed_tokens: int  # > 0 on a prefix-cache hit
     num_scheduled_tokens: int
 
@@ -161,7 +170,7 @@ class ResumedRequestData(msgspec.Struct, array_like=True, kw_only=True):
     """
 
     handle: int
-    block_ids: bytes  # packed int32: the whole new block table
+    block_ids: bytes  # packed int32: the whole new block table (per group, see above)
     num_computed_tokens: int
     num_scheduled_tokens: int
 
@@ -170,7 +179,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     """Block-table growth of running requests: only the requests that got new blocks.
 
     ``new_block_counts[i]`` blocks from the flat ``new_block_ids`` are appended to the block
-    table of ``handles[i]``.
+    table of ``handles[i]`` (to each of its G groups' tables: G * count ids, group 0's first).
     """
 
     handles: bytes = b""  # packed int32
@@ -236,6 +245,9 @@ class WorkerHello(msgspec.Struct, array_like=True, tag=30, kw_only=True):
     eos_token_id: int | None
     protocol_version: int = PROTOCOL_VERSION
     auth: bytes = b""  # HMAC of the handshake under the shared secret (tcp only)
+    # the KV spec of every layer: its sliding window in tokens, 0 = full attention; the core
+    # derives the KV cache groups from it (protocol.kv_cache_spec.kv_cache_groups)
+    layer_windows: list[int] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):

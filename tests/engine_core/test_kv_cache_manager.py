@@ -22,7 +22,7 @@ def admit(kvm: KVCacheManager, r: Request) -> tuple[list[int], int]:
     new = kvm.allocate_slots(r, r.num_tokens - n_hit, n_hit, hits)
     assert new is not None
     r.num_computed_tokens = r.num_tokens
-    return [b.block_id for b in hits], n_hit
+    return [b.block_id for b in (hits[0] if hits else [])], n_hit
 
 
 def free_ids(kvm: KVCacheManager) -> list[int]:
@@ -59,7 +59,7 @@ def test_prefix_caching_walkthrough() -> None:
     ijkl_hash = kvm.block_pool.blocks[5].block_hash
     req2 = mk(kvm, "req2", "ABCDEFGHIJKL" + "abcdefghijklmnop")
     hits, n_hit = kvm.get_computed_blocks(req2)
-    assert [b.block_id for b in hits] == [1, 2, 3] and n_hit == 12
+    assert [b.block_id for b in hits[0]] == [1, 2, 3] and n_hit == 12
     new = kvm.allocate_slots(req2, 16, n_hit, hits)
     assert new is not None
     # hits leave the free queue; new blocks come from the head, the cached candidate 5

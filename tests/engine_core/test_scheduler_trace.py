@@ -100,7 +100,10 @@ def test_step_records_hold_the_decisions() -> None:
     recs = lines(buf)
     header = recs[0]
     assert header["type"] == "header" and header["version"] == 1
-    assert header["groups"] == [{"kind": "full_attention", "block_size": BS, "num_blocks": 24}]
+    assert header["groups"] == [
+        {"kind": "full_attention", "block_size": BS, "num_blocks": 24, "sliding_window": 0,
+         "layer_ids": []}
+    ]
     steps = [r for r in recs if r["type"] == "step"]
     assert [r["step"] for r in steps] == list(range(len(steps)))
     seqs = [r["seq"] for r in recs[1:]]
