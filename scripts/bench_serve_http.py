@@ -130,6 +130,9 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
     }
     res |= summarize(records, wall, args.slo)
+    errors = [r.error for r in records if r.error is not None]
+    if errors:
+        res["first_error"] = errors[0]
     if args.with_python_api:
         py = _python_api(args, prompts)
         res["python_api"] = py

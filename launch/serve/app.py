@@ -107,7 +107,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        data = [
+        data: list[dict[str, Any]] = [
             {
                 "id": name,
                 "object": "model",
