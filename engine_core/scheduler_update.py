@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
-from protocol.codec import unpack
+from protocol.codec import unpack, unpack_f32
 from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -51,7 +51,9 @@ class SchedulerUpdate:
         by_handle = self._by_handle
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
-        if counts is None and spec is None:
+        # One float32 per sampled token whenever any request of the step asked for logprobs.
+        lps = unpack_f32(model_output.logprobs) if model_output.logprobs else None
+        if counts is None and spec is None and lps is None:
             if self._update_one_token_each(handles, tokens, outputs):
                 self.running = [r for r in self.running if r.status == RUNNING]
             if self.trace is not None:
@@ -59,17 +61,16 @@ class SchedulerUpdate:
             return outputs
         pos = 0
         for k, handle in enumerate(handles):
-            if counts is None:
-                new = tokens[k : k + 1]
-            else:
-                new = tokens[pos : pos + counts[k]]
-                pos += counts[k]
+            start = k if counts is None else pos
+            end = start + (1 if counts is None else counts[k])
+            pos = end
+            new = tokens[start:end]
             req = by_handle.get(handle)
             if req is None:  # finished or aborted since the step was planned
                 continue
             if req.status != RUNNING:
                 if req.status == PREEMPTED:
-                    self._update_preempted(req, new, outputs)
+                    self._update_preempted(req, new, outputs, _slice(lps, start, end, req))
                 continue
             if req.num_computed_tokens < req.num_tokens:  # a partial prefill chunk
                 continue
@@ -84,7 +85,7 @@ class SchedulerUpdate:
                     self.num_accepted_tokens += num_accepted
                     self.num_spec_verifications += 1
             new, status = self._append_tokens(req, new)
-            outputs.append(self._output(req, new, status))
+            outputs.append(self._output(req, new, status, _slice(lps, start, end, req)))
             if status is not None:
                 self._free_request(req, status)
                 finished.append(req)
@@ -110,13 +111,17 @@ class SchedulerUpdate:
         return new, None
 
     @staticmethod
-    def _output(req: Request, new: list[int], status: RequestStatus | None) -> RequestOutput:
+    def _output(req: Request, new: list[int], status: RequestStatus | None,
+                lps: list[float] | None = None) -> RequestOutput:
+        # logprobs of the tokens kept (a stop token ends the list early)
+        new_lps = lps[: len(new)] if lps is not None else None
         if status is not None:
             return RequestOutput(
                 request_id=req.request_id,
                 new_token_ids=new,
                 finish_reason=FINISH_REASONS[status],
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                new_logprobs=new_lps,
             )
         if len(req.output_token_ids) == len(new) and req.num_cached_tokens > 0:
             # the first tokens: tell the frontend how much of the prompt was a cache hit
@@ -124,15 +129,17 @@ class SchedulerUpdate:
                 request_id=req.request_id,
                 new_token_ids=new,
                 num_cached_tokens=req.num_cached_tokens,
+                new_logprobs=new_lps,
             )
-        return RequestOutput(request_id=req.request_id, new_token_ids=new)
+        return RequestOutput(request_id=req.request_id, new_token_ids=new, new_logprobs=new_lps)
 
-    def _update_preempted(self, req: Request, new: list[int], outputs: list[RequestOutput]) -> None:
+    def _update_preempted(self, req: Request, new: list[int], outputs: list[RequestOutput],
+                          lps: list[float] | None = None) -> None:
         """Async scheduling: a request preempted while a step that samples for it was in
         flight still takes that token. It was sampled from the right state and the workers
         kept it with the request's tokens, so dropping it would desynchronize them."""
         new, status = self._append_tokens(req, new)
-        outputs.append(self._output(req, new, status))
+        outputs.append(self._output(req, new, status, lps))
         if status is not None:
             self.waiting.remove_requests([req])
             self._free_request(req, status)
@@ -184,3 +191,10 @@ class SchedulerUpdate:
             self._free_request(req, status)
             any_finished = True
         return any_finished
+
+
+def _slice(lps: list[float] | None, start: int, end: int, req: Request) -> list[float] | None:
+    """This request's logprobs from the step's list, when it asked for them."""
+    if lps is None or not req.sampling_params.logprobs:
+        return None
+    return lps[start:end]
