@@ -196,6 +196,8 @@ class EngineCore:
         while not self.shutdown_requested:
             busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
             self._poll_frontend(0 if busy else int(PING_INTERVAL_S * 1000))
+            if not self.in_flight:
+                self._drain_results()  # idle: the workers' pongs must still count
             self._maybe_ping()
             self._check_alive()
             if self.shutdown_requested:
@@ -404,6 +406,15 @@ class EngineCore:
         if isinstance(rank, int) and 0 <= rank < self.world_size:
             self.last_seen[rank] = time.monotonic()
         return msg
+
+    def _drain_results(self) -> None:
+        """Read what the workers sent while no step was in flight (health pongs) so that
+        last_seen stays fresh: without it an idle engine declared its ranks hung after
+        worker_timeout_s. A rank's error report ends the engine as it does during a step."""
+        while (frame := recv_frame(self.results, 0)) is not None:
+            msg = self._decode_worker(frame)
+            if isinstance(msg, WorkerError):
+                raise EngineFatal(self._describe_error(msg))
 
     def _maybe_ping(self) -> None:
         now = time.monotonic()
