@@ -7,6 +7,11 @@ Short queries (decodes, and a token plus its speculative drafts) are computed to
 batched gather, padded to the longest of them; long prefill chunks loop per request, which costs
 little next to their own matmuls. The CPU-kernel and Triton backends (attention_cpu.py,
 attention_triton.py) reuse the metadata and, for what their kernels leave, the planning here.
+
+Sliding windows (a layer group's sliding_window W > 0): a query at absolute position p sees the
+keys in (p - W, p], as transformers' sliding_window_overlay defines it for Mistral and Qwen2.
+Prefill chunks gather only from the block of their first visible key on (the blocks before it
+may have been given back to the pool and reused); short queries are masked.
 """
 
 from __future__ import annotations
@@ -114,9 +119,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
 class _Prefill:
     start: int
     end: int
-    blocks: torch.Tensor  # [1, n_blocks] int64
-    seq_len: int
-    allowed: torch.Tensor  # [1, L, seq_len] causal mask
+    blocks: torch.Tensor  # [1, n_blocks] int64, from the block of the first visible key on
+    seq_len: int  # keys gathered (counted from that block's first key)
+    allowed: torch.Tensor  # [1, L, seq_len] causal (and window) mask
 
 
 @dataclass
@@ -134,21 +139,25 @@ class AttentionPlan:
     decode_valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
     # The CPU kernel computes requests with at most this many new tokens (0: none of them).
     kernel_max_query_len: int = 0
+    sliding_window: int = 0  # the layer group's window, 0 = full attention
 
 
 def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.device,
                    scratch: GatherScratch | None = None,
-                   short_queries: bool = True, kernel_all: bool = False) -> AttentionPlan:
+                   short_queries: bool = True, kernel_all: bool = False,
+                   sliding_window: int = 0) -> AttentionPlan:
     """Split the batch into short queries (decodes, drafts: batched) and prefill chunks (one
     by one), using only the host copies, so no device synchronisation. short_queries=False:
     the CPU kernel takes the short ones, plan only the prefill chunks. kernel_all: the CPU
-    kernel takes every request, nothing to plan."""
+    kernel takes every request, nothing to plan. sliding_window > 0: a query at p sees keys
+    in (p - sliding_window, p]."""
     qsl = meta.query_start_loc_np
     seq_lens = meta.seq_lens_np
     num_reqs = len(seq_lens)
+    window = sliding_window
     if kernel_all:
         return AttentionPlan(int(qsl[num_reqs]), None, None, None, [], scratch,
-                             kernel_max_query_len=KERNEL_ANY_LENGTH)
+                             kernel_max_query_len=KERNEL_ANY_LENGTH, sliding_window=window)
     query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
     short = (query_lens >= 1) & (query_lens <= MAX_BATCHED_QUERY)
     decode_reqs = np.flatnonzero(short) if short_queries else np.zeros(0, dtype=np.int64)
@@ -162,7 +171,10 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
         qlens_np = query_lens[decode_reqs]
         q_max = int(qlens_np.max())
         if q_max == 1:
-            allowed = (keys.unsqueeze(0) < lens[:, None]).unsqueeze(1)
+            allowed = keys.unsqueeze(0) < lens[:, None]
+            if window:  # the query at len - 1 sees keys from len - window on
+                allowed &= keys.unsqueeze(0) >= lens[:, None] - window
+            allowed = allowed.unsqueeze(1)
             tok_np = qsl[decode_reqs][:, None]
         else:
             # query j of request d sits at position len_d - q_d + j and sees keys up to it
@@ -172,6 +184,8 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
             jt = torch.from_numpy(j).to(device)
             q_pos = lens[:, None] - qlens[:, None] + jt[None, :]
             allowed = keys[None, None, :] <= q_pos[:, :, None]
+            if window:
+                allowed &= keys[None, None, :] > q_pos[:, :, None] - window
             if not (qlens_np == q_max).all():
                 valid = torch.from_numpy(j[None, :] < qlens_np[:, None]).to(device)
         # Pure decode batches (the steady state) need no gather/scatter of q and out.
@@ -181,14 +195,22 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
     for i in np.flatnonzero(~short & (query_lens > 0)):
         start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         n_blocks = -(-seq_len // block_size)
+        # with a window, keys before the first query's window are never read: start at the
+        # block of the first visible key, and count key positions from there
+        first = max(0, seq_len - (end - start) - window + 1) // block_size if window else 0
+        k0 = first * block_size
         # Query j sits at absolute position seq_len - L + j and sees keys up to that position.
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
-        causal = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
-        prefills.append(_Prefill(start, end, meta.block_table[int(i), :n_blocks].long()[None],
-                                 seq_len, causal.unsqueeze(0)))
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=device).unsqueeze(1)
+        key_pos = torch.arange(k0, seq_len, device=device).unsqueeze(0)
+        mask = key_pos <= q_pos
+        if window:
+            mask &= key_pos > q_pos - window
+        prefills.append(_Prefill(start, end,
+                                 meta.block_table[int(i), first:n_blocks].long()[None],
+                                 seq_len - k0, mask.unsqueeze(0)))
     kernel_max = MAX_BATCHED_QUERY if not short_queries and short.any() else 0
     return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch, valid,
-                         kernel_max_query_len=kernel_max)
+                         kernel_max_query_len=kernel_max, sliding_window=window)
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -238,8 +260,10 @@ def attend_planned(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         v = _gather_context(v_cache, p.blocks, plan.scratch, 1)[:, : p.seq_len]
         qp = q[p.start : p.end].unsqueeze(0)
         if USE_SDPA:
-            # Without cached context the mask is plain causal: let the kernel skip masked tiles.
-            mask = None if p.seq_len == p.end - p.start else p.allowed
+            # Without cached context or a window the mask is plain causal: let the kernel skip
+            # masked tiles.
+            plain = p.seq_len == p.end - p.start and not plan.sliding_window
+            mask = None if plain else p.allowed
             out[p.start : p.end] = _attend_sdpa(qp, k, v, mask, scale)[0]
         else:
             out[p.start : p.end] = _attend(qp, k, v, p.allowed, scale)[0]

@@ -46,9 +46,11 @@ class AttentionBackend(ABC):
     name: str
 
     @abstractmethod
-    def begin(self, meta: AttentionMetadata, block_size: int,
-              device: torch.device) -> AttentionStep:
-        """Build the step's per-forward state (no device-to-host synchronisation)."""
+    def begin(self, meta: AttentionMetadata, block_size: int, device: torch.device,
+              sliding_window: int = 0) -> AttentionStep:
+        """Build the step's per-forward state for the layers of one KV cache group (no
+        device-to-host synchronisation). sliding_window > 0: every query at position p sees
+        only the keys in (p - sliding_window, p]."""
 
 
 def split_qkv(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int
@@ -79,9 +81,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self.scratch = GatherScratch()
 
-    def begin(self, meta, block_size, device):
-        return TorchAttentionStep(meta, attention.plan_attention(meta, block_size, device,
-                                                                 self.scratch))
+    def begin(self, meta, block_size, device, sliding_window=0):
+        return TorchAttentionStep(meta, attention.plan_attention(
+            meta, block_size, device, self.scratch, sliding_window=sliding_window))
 
 
 def select_attention_backend(name: str, device: torch.device, head_dim: int) -> AttentionBackend:

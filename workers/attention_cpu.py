@@ -40,9 +40,10 @@ class CpuAttentionStep(AttentionStep):
             # read their context straight from the paged cache: no gather, no dtype copies.
             cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                                     meta.query_start_loc, len(meta.seq_lens_np), scale,
-                                    max_query_len=plan.kernel_max_query_len)
+                                    max_query_len=plan.kernel_max_query_len,
+                                    sliding_window=plan.sliding_window)
         prefills = plan.prefills
-        if kernel:
+        if kernel and not plan.sliding_window:  # (plain causal SDPA knows no window)
             prefills = _fresh_prefills_batched(out, q, (k, v), prefills, scale)
         attention.attend_planned(out, q, k_cache, v_cache, plan, scale, prefills)
         return out
@@ -56,13 +57,14 @@ class CpuAttentionBackend(AttentionBackend):
         # The kernel's query tiles cover some head dims only; others keep SDPA for chunks.
         self.any_length = cpu_ops.attention_any_length(head_dim)
 
-    def begin(self, meta, block_size, device):
+    def begin(self, meta, block_size, device, sliding_window=0):
         # Decided per step from cpu_ops.ENABLED, so switching the kernels off at run time
         # (tests, TANDEM_CPU_KERNELS) falls back to the reference plan.
         kernel = cpu_ops.ENABLED and cpu_ops.ops() is not None and device.type == "cpu"
         plan = attention.plan_attention(meta, block_size, device, self.scratch,
                                         short_queries=not kernel,
-                                        kernel_all=kernel and self.any_length)
+                                        kernel_all=kernel and self.any_length,
+                                        sliding_window=sliding_window)
         return CpuAttentionStep(meta, plan)
 
 

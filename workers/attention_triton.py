@@ -39,9 +39,10 @@ def num_segments(num_reqs: int, kv_heads: int, max_query_len: int, group: int,
 
 
 class TritonAttentionStep(AttentionStep):
-    def __init__(self, meta: AttentionMetadata, num_sms: int) -> None:
+    def __init__(self, meta: AttentionMetadata, num_sms: int, sliding_window: int = 0) -> None:
         super().__init__(meta)
         self.num_sms = num_sms
+        self.sliding_window = sliding_window
         # Chosen at the first layer (the head counts come with the call), shared by the rest.
         self.block_m = 0
         self.segments = 1
@@ -65,7 +66,7 @@ class TritonAttentionStep(AttentionStep):
         out = torch.empty(num_tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
         kernels.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                                 meta.query_start_loc, scale, self.block_m, self.segments,
-                                self.scratch)
+                                self.scratch, sliding_window=self.sliding_window)
         return out
 
 
@@ -81,6 +82,6 @@ class TritonAttentionBackend(AttentionBackend):
                              if device.type == "cuda" else 4)
         return self._num_sms
 
-    def begin(self, meta, block_size, device):
+    def begin(self, meta, block_size, device, sliding_window=0):
         assert triton_ops.available()
-        return TritonAttentionStep(meta, self.num_sms(device))
+        return TritonAttentionStep(meta, self.num_sms(device), sliding_window)

@@ -37,7 +37,7 @@ _tried = False
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES: dict[str, list] = {
     "tandem_paged_attention": [_int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
-                               _i64, _i64, _i64, _i64, _i64, _f32, _i64],
+                               _i64, _i64, _i64, _i64, _i64, _f32, _i64, _i64],
     "tandem_rms_norm": [_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32],
     "tandem_rotary": [_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "tandem_rotary_kv": [_int, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
@@ -158,10 +158,11 @@ def _lib_or_raise() -> ctypes.CDLL:
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, num_reqs: int, scale: float,
-                    max_query_len: int = 1 << 62) -> None:
+                    max_query_len: int = 1 << 62, sliding_window: int = 0) -> None:
     """out/q [T, H, hd] (heads and hd contiguous); caches [blocks, block_size, KVH, hd];
     block_table [R, W], seq_lens [R], query_start_loc [R+1] int32. Token j of request r sits at
-    position seq_len - q_len + j and attends to every key up to it. Requests with more than
+    position p = seq_len - q_len + j and attends to every key up to it (with a sliding window
+    W > 0, to the keys in (p - W, p]; earlier blocks are never read). Requests with more than
     `max_query_len` new tokens are skipped (their rows of `out` are left as they are)."""
     lib = _lib_or_raise()
     _, heads, hd = q.shape
@@ -172,7 +173,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         _code(q), out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         query_start_loc.data_ptr(), num_reqs, heads, k_cache.shape[2], hd, k_cache.shape[1],
-        scale, max_query_len)
+        scale, max_query_len, sliding_window)
 
 
 @functools.cache

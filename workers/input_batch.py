@@ -4,6 +4,10 @@ Every rank keeps the same state: it applies the step diff (protocol.messages.Sch
 to preallocated numpy arrays whose active rows stay contiguous, builds the model inputs
 with vectorized ops, and appends its own sampled tokens. A steady decode step touches no
 per-request Python object; only requests that changed cost Python work.
+
+A model with several KV cache groups (sliding-window / hybrid) keeps one block table per group
+(block_tables[g]); every group's table of a request has the same length, so one num_blocks
+count serves all of them, and each group gets its own slot mapping and block table per step.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class BatchInputs:
     max_seq_len: int
     # None when no request carries drafts this step (then logits_indices has S entries)
     drafts: DraftLayout | None = None
+    # KV cache groups 1..G-1 (block_table and slot_mapping above are group 0's): per group
+    # (slot_mapping [T] int64, block_table [R, W] int32)
+    other_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -75,6 +82,7 @@ class InputBatch:
         block_size: int,
         max_blocks_per_req: int | None = None,
         device: torch.device | str = "cpu",
+        num_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -86,7 +94,10 @@ class InputBatch:
         self.token_ids = np.zeros((m, max_model_len + 1), dtype=np.int32)
         self.num_tokens = np.zeros(m, dtype=np.int32)
         self.num_computed_tokens = np.zeros(m, dtype=np.int32)
-        self.block_table = np.zeros((m, self.max_blocks_per_req), dtype=np.int32)
+        self.num_groups = num_groups
+        # one block table per KV cache group; block_table is group 0's
+        self.block_tables = np.zeros((num_groups, m, self.max_blocks_per_req), dtype=np.int32)
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(m, dtype=np.int32)
         self.num_scheduled = np.zeros(m, dtype=np.int32)
         self.handles = np.full(m, -1, dtype=np.int32)
@@ -113,7 +124,8 @@ class InputBatch:
         self.last_step_id = -1
         self._arange = np.arange(m + 1, dtype=np.int64)
         self._flat_tokens = self.token_ids.reshape(-1)  # views, for np.take
-        self._flat_blocks = self.block_table.reshape(-1)
+        self._flat_blocks = self.block_tables.reshape(-1)
+        self._group_stride = m * self.max_blocks_per_req  # group g's table starts at g * this
 
     # ---------------------------------------------------------------- rows
 
@@ -185,7 +197,7 @@ class InputBatch:
     def _move_row(self, src: int, dst: int) -> None:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        self.block_table[dst] = self.block_table[src]
+        self.block_tables[:, dst] = self.block_tables[:, src]
         for a in self._arrays:
             a[dst] = a[src]
         self.generators[dst] = self.generators[src]
@@ -195,13 +207,18 @@ class InputBatch:
         self.seeded[src] = False
 
     def _set_blocks(self, row: int, block_ids: np.ndarray, handle: int) -> None:
-        nb = len(block_ids)
+        g = self.num_groups
+        if len(block_ids) % g:
+            raise StateMismatchError(
+                f"request {handle}: {len(block_ids)} block ids for {g} KV cache groups"
+            )
+        nb = len(block_ids) // g
         if nb > self.max_blocks_per_req:
             raise StateMismatchError(
                 f"request {handle}: {nb} blocks > max_blocks_per_req={self.max_blocks_per_req}"
             )
-        self.block_table[row, :nb] = block_ids
-        self.block_table[row, nb:] = 0  # pad with the null block
+        self.block_tables[:, row, :nb] = block_ids.reshape(g, nb)
+        self.block_tables[:, row, nb:] = 0  # pad with the null block
         self.num_blocks[row] = nb
 
     def token_ids_of(self, handle: int) -> list[int]:
@@ -281,7 +298,9 @@ class InputBatch:
         handles = unpack_i32(cr.handles, "cached handles").tolist()
         counts = unpack_i32(cr.new_block_counts, "new_block_counts")
         ids = unpack_i32(cr.new_block_ids, "new_block_ids")
-        if len(counts) != len(handles) or int(counts.sum()) != len(ids) or (counts < 0).any():
+        g = self.num_groups
+        if (len(counts) != len(handles) or int(counts.sum()) * g != len(ids)
+                or (counts < 0).any()):
             raise StateMismatchError("cached_reqs: handles, counts and block ids disagree")
         row_list = [self._running_row(h, "cached_reqs") for h in handles]
         if len(set(row_list)) != len(row_list):
@@ -291,7 +310,15 @@ class InputBatch:
         if (nb + counts > self.max_blocks_per_req).any():
             raise StateMismatchError("cached_reqs: block table overflow")
         # One scatter for all appended ids: row r's new ids go to columns nb[r], nb[r] + 1, ...
-        if (counts == 1).all():  # decode steady state: one new block each
+        if g > 1:
+            # handle i's ids are g runs of counts[i] (group 0's first)
+            per = counts * g
+            seg = np.repeat(np.arange(len(rows)), per)
+            k = np.arange(len(ids)) - np.repeat(np.cumsum(per) - per, per)
+            c = counts[seg]
+            flat = ((k // c) * self._group_stride + rows[seg] * self.max_blocks_per_req
+                    + nb[seg] + k % c)
+        elif (counts == 1).all():  # decode steady state: one new block each
             flat = rows * self.max_blocks_per_req + nb
         else:
             cu = np.cumsum(counts, dtype=np.int64)
@@ -413,8 +440,10 @@ class InputBatch:
             )
         # Flat indices into the 2-D buffers: np.take on 1-D beats 2-D fancy indexing.
         input_ids = self._flat_tokens.take(req * self.token_ids.shape[1] + positions)
-        block_ids = self._flat_blocks.take(req * self.max_blocks_per_req + positions // bs)
-        slot_mapping = block_ids * bs + positions % bs
+        block_idx = req * self.max_blocks_per_req + positions // bs
+        offset = positions % bs
+        block_ids = self._flat_blocks.take(block_idx)
+        slot_mapping = block_ids * bs + offset
         max_seq_len = int(seq_lens.max()) if len(rows) else 0
         sampling = seq_lens >= num_tokens
         if sampling.all():
@@ -441,6 +470,11 @@ class InputBatch:
             max_query_len=int(counts.max()) if len(rows) else 0,
             max_seq_len=max_seq_len,
             drafts=drafts,
+            other_groups=[
+                (self._flat_blocks.take(block_idx + g * self._group_stride) * bs + offset,
+                 self.block_tables[g][sel, : -(-max_seq_len // bs)])
+                for g in range(1, self.num_groups)
+            ],
         )
 
     def _verification_targets(

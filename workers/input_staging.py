@@ -12,6 +12,8 @@ sampled tokens, which waits for every earlier copy on the stream.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -43,10 +45,11 @@ class _Staged:
 
 class InputStaging:
     """The step inputs of one worker: token ids, positions, slot mapping, query start offsets,
-    sequence lengths, block table and logits indices."""
+    sequence lengths, block table and logits indices (a slot mapping and a block table per KV
+    cache group)."""
 
     def __init__(self, device: torch.device, max_tokens: int, max_reqs: int,
-                 max_blocks_per_req: int) -> None:
+                 max_blocks_per_req: int, num_groups: int = 1) -> None:
         self.max_tokens, self.max_reqs = max_tokens, max_reqs
         self.input_ids = _Staged((max_tokens,), torch.int64, device)
         self.positions = _Staged((max_tokens,), torch.int64, device)
@@ -55,10 +58,16 @@ class InputStaging:
         self.seq_lens = _Staged((max_reqs,), torch.int32, device)
         self.block_table = _Staged((max_reqs, max_blocks_per_req), torch.int32, device)
         self.logits_indices = _Staged((max_tokens,), torch.int64, device)
+        # KV cache groups 1..G-1: their slot mappings and block tables
+        self.other_groups = [
+            (_Staged((max_tokens,), torch.int64, device),
+             _Staged((max_reqs, max_blocks_per_req), torch.int32, device))
+            for _ in range(num_groups - 1)
+        ]
 
     def stage(self, inputs: BatchInputs, num_tokens: int | None = None,
               num_reqs: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
         """Device views of the step's inputs, padded to num_tokens / num_reqs (a CUDA-graph
         size) when given: padding tokens write no K/V (slot -1) and padding requests have no
         tokens and no context, so they attend to nothing."""
@@ -86,7 +95,16 @@ class InputStaging:
         )
         ids = self.input_ids.put(inputs.input_ids, num_tokens, fill=0)
         pos = self.positions.put(inputs.positions, num_tokens, fill=0)
-        return ids, pos, meta
+        if not inputs.other_groups:
+            return ids, pos, meta
+        metas = [meta]
+        for (slots, table), (staged_slots, staged_table) in zip(
+                inputs.other_groups, self.other_groups, strict=True):
+            staged_table.host_np[:r, :width] = table
+            staged_table.device[:r].copy_(staged_table.host[:r], non_blocking=True)
+            metas.append(replace(meta, slot_mapping=staged_slots.put(slots, num_tokens, fill=-1),
+                                 block_table=staged_table.device[:num_reqs, :width]))
+        return ids, pos, metas
 
     def logits_index(self, idx: np.ndarray) -> torch.Tensor:
         return self.logits_indices.put(idx)

@@ -3,6 +3,10 @@
 Head layout under TP: KV heads are padded up to a multiple of tp_size and each padded KV head gets
 its group of padded query heads; all padded weights are zero (and so are the o_proj columns that
 read them), so every tp_size computes exactly the TP=1 function.
+
+Sliding-window and hybrid models: layers are cut into KV cache groups (protocol.kv_cache_spec);
+each group has its own block table (AttentionMetadata per group) and window, and the i-th layer
+of every group shares one K/V cache tensor, since a block id belongs to one group at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from protocol.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups, layers_per_group
 from workers.attention import AttentionMetadata
 from workers.attention_backend import AttentionBackend, AttentionStep, select_attention_backend
 from workers.layers import (
@@ -177,6 +182,14 @@ class LlamaForCausalLM(nn.Module):
                                       dtype, device)
         self.attn_backend: AttentionBackend = select_attention_backend("auto", device,
                                                                        cfg.head_dim)
+        # KV cache groups: which block table (and window) each layer reads, and which shared
+        # cache tensor it uses (its index within its group)
+        self.kv_cache_groups: list[KVCacheGroupSpec] = kv_cache_groups(cfg.windows())
+        self.layer_group = [0] * cfg.num_hidden_layers
+        self.layer_slot = [0] * cfg.num_hidden_layers
+        for g, spec in enumerate(self.kv_cache_groups):
+            for j, layer in enumerate(spec.layer_ids):
+                self.layer_group[layer], self.layer_slot[layer] = g, j
 
     def set_attention_backend(self, name: str) -> None:
         """auto | torch | cpu | triton; chosen once, before the first step."""
@@ -184,16 +197,27 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]; writes new K/V."""
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden]; writes new K/V.
+
+        meta: one AttentionMetadata per KV cache group (their block tables and slots differ),
+        or a single one that every group uses (profiling and graph-capture dummies)."""
         attn0 = self.layers[0].self_attn
         if attn0.k_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
         h = self.embed_tokens(input_ids)
-        attn = self.attn_backend.begin(meta, attn0.k_cache.shape[1], self.device)
+        metas = meta if isinstance(meta, list) else [meta] * len(self.kv_cache_groups)
+        if len(metas) != len(self.kv_cache_groups):
+            raise ValueError(f"{len(metas)} attention metadata for "
+                             f"{len(self.kv_cache_groups)} KV cache groups")
+        block_size = attn0.k_cache.shape[1]
+        # one step per group: its block table and its window, built once for all its layers
+        steps = [self.attn_backend.begin(m, block_size, self.device, spec.sliding_window)
+                 for m, spec in zip(metas, self.kv_cache_groups, strict=True)]
+        layer_group = self.layer_group
         delta = None
-        for layer in self.layers:
-            h, delta = layer(h, positions, attn, delta)
+        for i, layer in enumerate(self.layers):
+            h, delta = layer(h, positions, steps[layer_group[i]], delta)
         if delta is None:  # no layers
             return self.norm(h)
         return self.norm.add_and_norm(h, delta)[1]
@@ -208,16 +232,19 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.greedy(hidden)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """A block id holds one group's layers (the groups share the tensors)."""
         per_layer = 2 * block_size * self.layout.kv_heads * self.cfg.head_dim
-        return per_layer * self.cfg.num_hidden_layers * self.dtype.itemsize
+        return per_layer * layers_per_group(self.kv_cache_groups) * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         # Zeros, not empty: masked-out slots are multiplied by 0 and a stray NaN would survive.
         shape = (num_blocks, block_size, self.layout.kv_heads, self.cfg.head_dim)
-        for layer in self.layers:
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                  for _ in range(layers_per_group(self.kv_cache_groups))]
+        for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache, attn.v_cache = caches[self.layer_slot[i]]
 
     @torch.no_grad()
     def prepack_weights(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 # Architectures whose weights follow the Llama layout (Qwen2 only adds a q/k/v bias).
 _LLAMA_LIKE = {"llama", "mistral", "qwen2"}
@@ -27,6 +27,13 @@ class ModelConfig:
     eos_token_id: int | None = None
     # HF Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
     o_proj_bias: bool = False
+    # per layer: its sliding window in tokens (a query at p sees keys in (p - W, p]), 0 = full
+    # attention; empty = every layer full attention
+    layer_windows: list[int] = field(default_factory=list)
+
+    def windows(self) -> list[int]:
+        """The sliding window of every layer (0 = full attention)."""
+        return list(self.layer_windows) or [0] * self.num_hidden_layers
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -64,7 +71,42 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             o_proj_bias=attention_bias and not qwen2,
+            layer_windows=_layer_windows(d, model_type),
         )
+
+
+def _layer_windows(d: dict, model_type: str) -> list[int]:
+    """Per-layer sliding windows as transformers reads them (0 = full attention):
+
+    - mistral: ``sliding_window`` (null = none) applies to every layer;
+    - qwen2: the window exists only with ``use_sliding_window``; ``layer_types`` names each
+      layer's kind, else layers from ``max_window_layers`` on slide;
+    - any other config with a ``layer_types`` list and a ``sliding_window``: the layers named
+      "sliding_attention" slide.
+    """
+    n = int(d["num_hidden_layers"])
+    window = d.get("sliding_window")
+    if model_type == "qwen2" and not d.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return []
+    window = int(window)
+    types = d.get("layer_types")
+    if model_type == "mistral":
+        windows = [window] * n
+    elif types:
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+        windows = [window if t == "sliding_attention" else 0 for t in types]
+    elif model_type == "qwen2":
+        first = int(d.get("max_window_layers", n))
+        windows = [window if i >= first else 0 for i in range(n)]
+    else:
+        return []
+    return windows if any(windows) else []
 
 
 # Random-weight presets. std 0.2 makes greedy tokens depend on the context (at HF's default 0.02 a

@@ -5,7 +5,9 @@ Identical on every rank; the worker process loop around it decides who sends the
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from workers.cuda_graph_runner import CudaGraphRunner
     from workers.llama import LlamaForCausalLM
     from workers.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,8 +71,11 @@ class ModelRunner:
             load_format=self.config.load_format,
         )
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        # one block table per KV cache group (sliding-window and hybrid models have several)
+        self.num_kv_groups = len(self.model.kv_cache_groups)
         self.input_batch = InputBatch(
-            self.config.max_num_seqs, self.max_model_len, self.block_size, device=self.device
+            self.config.max_num_seqs, self.max_model_len, self.block_size, device=self.device,
+            num_groups=self.num_kv_groups,
         )
         self.model.set_attention_backend(self.config.attention_backend)
         if self.device.type == "cuda":
@@ -76,7 +83,7 @@ class ModelRunner:
             # A step's tokens fit the budget; drafts may add up to K per request on top.
             spec = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
             self.staging = InputStaging(self.device, budget + spec, self.config.max_num_seqs,
-                                        self.input_batch.max_blocks_per_req)
+                                        self.input_batch.max_blocks_per_req, self.num_kv_groups)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode-step graphs (CUDA, Triton attention, not enforce_eager); call
@@ -84,6 +91,11 @@ class ModelRunner:
         assert self.model is not None
         if (self.device.type != "cuda" or self.config.enforce_eager or self.staging is None
                 or self.model.attn_backend.name != "triton"):
+            return
+        if self.num_kv_groups > 1:
+            # the graphs are captured with one block table; hybrid models decode eagerly
+            logger.info("%d KV cache groups: decode steps run eagerly (no CUDA graphs)",
+                        self.num_kv_groups)
             return
         from workers.cuda_graph_runner import CudaGraphRunner
 
@@ -175,7 +187,7 @@ class ModelRunner:
 
     def _to_device(
         self, inputs: BatchInputs
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
         if self.staging is not None:
             return self.staging.stage(inputs)
         dev = self.device
@@ -193,4 +205,11 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
         )
-        return t(inputs.input_ids), t(inputs.positions), meta
+        if not inputs.other_groups:
+            return t(inputs.input_ids), t(inputs.positions), meta
+        # one metadata per KV cache group: its own slots and block table, the rest shared
+        metas = [meta] + [
+            replace(meta, slot_mapping=t(slots), block_table=t(table))
+            for slots, table in inputs.other_groups
+        ]
+        return t(inputs.input_ids), t(inputs.positions), metas

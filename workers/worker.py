@@ -120,6 +120,8 @@ class Worker:
                     hostname=socket.gethostname(),
                     device=str(self.dist.device),
                     num_blocks=self.num_blocks,
+                    # the per-layer KV spec: the core builds its KV cache groups from it
+                    layer_windows=cfg.windows(),
                     vocab_size=cfg.vocab_size,
                     max_model_len=self.runner.max_model_len,
                     eos_token_id=cfg.eos_token_id,

@@ -9,7 +9,8 @@ import torch
 
 def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama",
                        max_shard_size: str | None = None, **overrides) -> str:
-    """Save a random transformers Llama (or Qwen2, arch="qwen2") in `path` and return `path`.
+    """Save a random transformers Llama (or Qwen2, arch="qwen2", or Mistral, arch="mistral") in
+    `path` and return `path`.
 
     initializer_range 0.2 (not HF's 0.02) so greedy tokens depend on the context.
     """
@@ -24,6 +25,9 @@ def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama",
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**kwargs)
         model = transformers.Qwen2ForCausalLM(cfg).eval()
+    elif arch == "mistral":  # every layer windowed when sliding_window is given
+        cfg = transformers.MistralConfig(**kwargs)
+        model = transformers.MistralForCausalLM(cfg).eval()
     else:
         cfg = transformers.LlamaConfig(**kwargs)
         model = transformers.LlamaForCausalLM(cfg).eval()

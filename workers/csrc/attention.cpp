@@ -1,5 +1,9 @@
 // Paged attention over the KV cache: decode tokens one by one, prefill chunks in query tiles.
 // Called through ctypes (workers/cpu_ops.py); plain C ABI on raw pointers.
+//
+// Sliding windows (window > 0): a query at position p sees keys in (p - window, p]. The key
+// walk starts at the block holding the first visible key (blocks before it may have been
+// given back to the pool and reused) and masks the few keys of that block before it.
 
 #include <tuple>
 #include <type_traits>
@@ -24,13 +28,14 @@ inline float exp_minus_max(float* sc, int64_t n) {
 }
 
 // One query token against its context, for the `group` query heads that share KV head `kvh`.
-// Keys 0..n_keys-1 are read through the request's block-table row.
+// Keys 0..n_keys-1 are read through the request's block-table row; the first n_masked of them
+// are outside a sliding window (they share a block with visible keys) and get no weight.
 // HD > 0: the head dim as a compile-time constant, so the per-key loops unroll fully.
 template <typename T, int HD>
 void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_head,
                 const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t n_keys,
                 int64_t block_size, int64_t kv_heads, int64_t kvh, int64_t group,
-                int64_t hd_runtime, float scale, std::vector<float>& scores,
+                int64_t hd_runtime, float scale, int64_t n_masked, std::vector<float>& scores,
                 std::vector<float>& qf, std::vector<float>& acc) {
   const int64_t hd = HD > 0 ? HD : hd_runtime;
   scores.resize(group * n_keys);
@@ -56,6 +61,7 @@ void attend_one(T* out, int64_t out_stride_head, const T* q, int64_t q_stride_he
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores.data() + g * n_keys;
+    for (int64_t j = 0; j < n_masked; ++j) sc[j] = -INFINITY;
     const float sum = exp_minus_max(sc, n_keys);
     const float inv = 1.0f / sum;
 #pragma omp simd
@@ -113,7 +119,8 @@ constexpr int64_t kTileMinQueries = 4;
 template <typename T, int HD, int GC>
 void attend_heads_avx512(T* out, const T* q, const T* k_cache, const T* v_cache,
                          const int32_t* blocks, int64_t n_keys, int64_t block_size,
-                         int64_t kv_heads, int64_t kvh, float scale, std::vector<float>& scores) {
+                         int64_t kv_heads, int64_t kvh, float scale, int64_t n_masked,
+                         std::vector<float>& scores) {
   static_assert(HD % 32 == 0 && HD > 0, "head dim must be a multiple of 32");
   constexpr int NV = HD / 16;
 #if defined(__AVX512BF16__)
@@ -195,8 +202,10 @@ void attend_heads_avx512(T* out, const T* q, const T* k_cache, const T* v_cache,
     }
   }
   float inv_sum[GC];
-  for (int g = 0; g < GC; ++g)
+  for (int g = 0; g < GC; ++g) {
+    for (int64_t j = 0; j < n_masked; ++j) scores[g * padded + j] = -INFINITY;
     inv_sum[g] = 1.0f / exp_minus_max(scores.data() + g * padded, n_keys);
+  }
   __m512 acc[GC][NV];
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
@@ -225,13 +234,13 @@ template <typename T, int HD>
 void attend_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache,
                        const int32_t* blocks, int64_t n_keys, int64_t block_size,
                        int64_t kv_heads, int64_t kvh, int64_t group, float scale,
-                       std::vector<float>& scores) {
+                       int64_t n_masked, std::vector<float>& scores) {
   for (int64_t g = 0; g < group;) {
     const int64_t c = group - g < 4 ? group - g : 4;
     auto run = [&](auto gc) {
       attend_heads_avx512<T, HD, decltype(gc)::value>(out + g * HD, q + g * HD, k_cache,
                                                       v_cache, blocks, n_keys, block_size,
-                                                      kv_heads, kvh, scale, scores);
+                                                      kv_heads, kvh, scale, n_masked, scores);
     };
     switch (c) {
       case 1: run(std::integral_constant<int, 1>{}); break;
@@ -244,7 +253,9 @@ void attend_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache,
 }
 
 // Query tiles: up to 16 consecutive new tokens of one request (the first at position pos0)
-// against keys 0 .. pos0 + nq - 1, causal, for the `group` query heads of KV head kvh. The
+// against keys 0 .. pos0 + nq - 1, causal, for the `group` query heads of KV head kvh; with a
+// sliding window (window > 0) lane i also masks keys <= pos0 + i - window (positions here
+// are relative to the first block the caller passes). The
 // 16 queries live in the 16 lanes: QK is one broadcast FMA per key and head-dim element,
 // softmax is lane-wise, and each K/V row is read once per tile instead of once per query.
 // Prefill chunks went through SDPA before: 3.2 ms per layer for 16 x 128-token prompts.
@@ -252,7 +263,7 @@ template <typename T, int HD>
 void attend_tile_avx512(T* out, int64_t out_stride_tok, const T* q, int64_t q_stride_tok,
                         const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t pos0,
                         int64_t nq, int64_t block_size, int64_t kv_heads, int64_t kvh,
-                        int64_t group, float scale, std::vector<float>& buf) {
+                        int64_t group, float scale, int64_t window, std::vector<float>& buf) {
   constexpr int NV = HD / 16;
   constexpr int QS = 16 / NV;  // queries per PV pass: 16 accumulators in registers
   const int64_t n_keys = pos0 + nq;
@@ -286,6 +297,10 @@ void attend_tile_avx512(T* out, int64_t out_stride_tok, const T* q, int64_t q_st
       if (j > pos0)  // lane i sees keys up to pos0 + i
         s = _mm512_mask_mov_ps(s, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(
                                       static_cast<int32_t>(j)), qpos),
+                               _mm512_set1_ps(-INFINITY));
+      if (window > 0 && j + window <= pos0 + 15)  // and keys after pos0 + i - window
+        s = _mm512_mask_mov_ps(s, _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(
+                                      static_cast<int32_t>(j + window))),
                                _mm512_set1_ps(-INFINITY));
       _mm512_storeu_ps(sc + j * 16, s);
       m = _mm512_max_ps(m, s);
@@ -335,7 +350,7 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
                           int64_t bt_stride, const int32_t* seq_lens,
                           const int32_t* query_start_loc, int64_t num_reqs, int64_t num_heads,
                           int64_t kv_heads, int64_t hd, int64_t block_size, float scale,
-                          int64_t max_query_len) {
+                          int64_t max_query_len, int64_t window) {
   const int64_t num_tokens = query_start_loc[num_reqs];
   const int64_t group = num_heads / kv_heads;
 #if defined(__AVX512F__)
@@ -365,18 +380,26 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
         const int64_t kvh = it % kv_heads;
         const int64_t q_len = query_start_loc[w.r + 1] - query_start_loc[w.r];
         // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it.
-        const int64_t pos0 = seq_lens[w.r] - q_len + (w.t0 - query_start_loc[w.r]);
+        int64_t pos0 = seq_lens[w.r] - q_len + (w.t0 - query_start_loc[w.r]);
         const int32_t* blocks = block_table + w.r * bt_stride;
-        if (w.nq == 1)
+        // With a window, start at the block of the item's first visible key (pos0 - window
+        // + 1) and count positions from there.
+        int64_t first = 0;
+        if (window > 0 && pos0 - window + 1 > 0) first = (pos0 - window + 1) / block_size;
+        blocks += first;
+        pos0 -= first * block_size;
+        if (w.nq == 1) {
+          const int64_t masked = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
           attend_one_avx512<T, HD>(out + w.t0 * out_stride_tok + kvh * group * hd,
                                    q + w.t0 * q_stride_tok + kvh * group * hd, k_cache, v_cache,
                                    blocks, pos0 + 1, block_size, kv_heads, kvh, group, scale,
-                                   buf);
-        else
+                                   masked, buf);
+        } else {
           attend_tile_avx512<T, HD>(out + w.t0 * out_stride_tok, out_stride_tok,
                                     q + w.t0 * q_stride_tok, q_stride_tok, k_cache, v_cache,
                                     blocks, pos0, w.nq, block_size, kv_heads, kvh, group, scale,
-                                    buf);
+                                    window, buf);
+        }
       }
     }
     return;
@@ -395,12 +418,16 @@ void paged_attention_impl(T* out, int64_t out_stride_tok, const T* q, int64_t q_
       while (query_start_loc[r + 1] <= t) ++r;
       const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
       if (q_len > max_query_len) continue;  // long prefill chunks are the caller's
-      // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it.
-      const int64_t n_keys = seq_lens[r] - q_len + (t - query_start_loc[r]) + 1;
+      // Token t sits at position seq_len - q_len + (t - start) and sees keys up to it
+      // (and, with a window, from pos - window + 1 on: start at that key's block).
+      const int64_t pos = seq_lens[r] - q_len + (t - query_start_loc[r]);
+      const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+      const int64_t first = lo / block_size;
       attend_one<T, HD>(out + t * out_stride_tok + kvh * group * hd, hd,
                         q + t * q_stride_tok + kvh * group * hd, hd, k_cache, v_cache,
-                        block_table + r * bt_stride, n_keys, block_size, kv_heads, kvh, group,
-                        hd, scale, scores, qf, acc);
+                        block_table + r * bt_stride + first, pos + 1 - first * block_size,
+                        block_size, kv_heads, kvh, group, hd, scale, lo - first * block_size,
+                        scores, qf, acc);
     }
   }
 }
@@ -410,13 +437,14 @@ void paged_attention_dispatch(void* out, int64_t out_stride_tok, const void* q,
                               const int32_t* block_table, int64_t bt_stride,
                               const int32_t* seq_lens, const int32_t* query_start_loc,
                               int64_t num_reqs, int64_t num_heads, int64_t kv_heads, int64_t hd,
-                              int64_t block_size, float scale, int64_t max_query_len) {
+                              int64_t block_size, float scale, int64_t max_query_len,
+                              int64_t window) {
   auto run = [&](auto hd_const) {
     paged_attention_impl<T, decltype(hd_const)::value>(
         static_cast<T*>(out), out_stride_tok, static_cast<const T*>(q), q_stride_tok,
         static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_table, bt_stride,
         seq_lens, query_start_loc, num_reqs, num_heads, kv_heads, hd, block_size, scale,
-        max_query_len);
+        max_query_len, window);
   };
   switch (hd) {
     case 32: run(std::integral_constant<int, 32>{}); break;
@@ -445,10 +473,11 @@ void tandem_paged_attention(int dtype, void* out, int64_t out_stride_tok, const 
                             const int32_t* block_table, int64_t bt_stride,
                             const int32_t* seq_lens, const int32_t* query_start_loc,
                             int64_t num_reqs, int64_t num_heads, int64_t kv_heads, int64_t hd,
-                            int64_t block_size, float scale, int64_t max_query_len) {
+                            int64_t block_size, float scale, int64_t max_query_len,
+                            int64_t window) {
   auto args = std::make_tuple(out, out_stride_tok, q, q_stride_tok, k_cache, v_cache,
                               block_table, bt_stride, seq_lens, query_start_loc, num_reqs,
-                              num_heads, kv_heads, hd, block_size, scale, max_query_len);
+                              num_heads, kv_heads, hd, block_size, scale, max_query_len, window);
   if (dtype == 0)
     std::apply(paged_attention_dispatch<float>, args);
   else

@@ -17,6 +17,12 @@ leaves most of the GPU idle, so the key range of each request is cut into NUM_SE
 done by separate programs, each writing its partial (max, sum, unnormalized output) in float32,
 and a second small kernel merges them.
 
+Sliding windows (WINDOW > 0, a constexpr: one compiled variant per window size): query j at
+position p sees keys in (p - WINDOW, p]. The key loop starts at the block's first visible key
+(its first query's lower bound), so key tiles wholly below the window are never loaded, and
+each row masks the keys below its own bound. Blocks before the window may already be back in
+the pool (the null block stands in the table), which is why they must not be read.
+
 Math: bf16/fp16 (or float32) in, float32 scores, softmax and accumulation; the softmax runs in
 base 2 with log2(e) folded into the scale.
 """
@@ -58,7 +64,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,12 +94,17 @@ def _paged_attention_kernel(
 
     # Keys past the block's last query are never visible: the loop stops there (causal skip).
     key_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    # With a window, keys below the block's first query's window are never visible: the loop
+    # starts at that query's first visible key.
+    key_start = 0
+    if WINDOW > 0:
+        key_start = tl.maximum(context + q_block * BLOCK_Q - WINDOW + 1, 0)
     if NUM_SEGMENTS == 1:
-        key_lo = 0
+        key_lo = key_start
         key_hi = key_end
     else:
-        seg_len = tl.cdiv(tl.cdiv(key_end, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
-        key_lo = segment * seg_len
+        seg_len = tl.cdiv(tl.cdiv(key_end - key_start, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
+        key_lo = key_start + segment * seg_len
         key_hi = tl.minimum(key_end, key_lo + seg_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -116,6 +127,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, k)
         s = s * scale_log2
         visible = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= key_limit[:, None])
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > key_limit[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps max -inf; subtract 0 instead (no nan).
@@ -199,10 +212,11 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, block_m: int,
                     num_segments: int = 1,
                     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    block_n: int = 32) -> None:
+                    block_n: int = 32, sliding_window: int = 0) -> None:
     """out[T, H, hd] = attention of q[T, H, hd] (rows may be strided views) over the paged
     caches [blocks, block_size, KVH, hd]. block_table [R, W] int32, seq_lens [R] int32,
     query_start_loc [R+1] int32; rows of out past query_start_loc[R] are not written.
+    sliding_window > 0: a query at position p sees only the keys in (p - sliding_window, p].
 
     Nothing here reads device memory on the host, so it can be captured in a CUDA graph.
     """
@@ -232,7 +246,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_HEADS=num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         NUM_SEGMENTS=num_segments, IEEE=q.dtype == torch.float32,
-        UPCAST=interpreting() and q.dtype != torch.float32,
+        UPCAST=interpreting() and q.dtype != torch.float32, WINDOW=sliding_window,
     )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](

@@ -105,3 +105,41 @@ def test_padding_requests_and_tokens_are_ignored(segments):
                             kernels.block_m_for(2, 1), segments)
     assert torch.equal(out[:3], ref)
     assert bool((out[3:] == 7.0).all())
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("window", [1, 6, 13, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_the_definition(segments, window, dtype):
+    """WINDOW: each query sees keys in (p - W, p]; key tiles before the block's first visible
+    key are skipped, so a NaN-filled null block standing in for every out-of-window block is
+    never read (mixed step: prefills, chunks, decodes, drafts, split keys)."""
+    from tests.helpers.windowed import (
+        dense_windowed_attention,
+        drop_out_of_window_blocks,
+        poison_null_block,
+    )
+
+    block_size = 4
+    meta, num_blocks = mixed_step(block_size)
+    k_cache, v_cache = _caches(num_blocks, block_size, 2, 32, dtype)
+    t = int(meta.query_start_loc_np[-1])
+    q = torch.randn(t, 6, 32, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    ref = dense_windowed_attention(q, k_cache, v_cache, meta, 0.2, window)
+    windowed = drop_out_of_window_blocks(meta, block_size, window)
+    poison_null_block(k_cache, v_cache, float("nan"))
+    group = 3
+    block_m = kernels.block_m_for(group, meta.max_query_len)
+    if segments > 1:  # split keys need single-block queries: decodes only
+        block_m = kernels.block_m_for(group, 1)
+        keep = [i for i in range(len(meta.seq_lens_np))
+                if meta.query_start_loc_np[i + 1] - meta.query_start_loc_np[i] == 1]
+        assert keep
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention(out, q, k_cache, v_cache, windowed.block_table, windowed.seq_lens,
+                            windowed.query_start_loc, 0.2, block_m, segments,
+                            sliding_window=window)
+    if segments > 1:
+        rows = [int(meta.query_start_loc_np[i]) for i in keep]
+        out, ref = out[rows], ref[rows]
+    assert (out.float().cpu() - ref).abs().max().item() < ATOL[dtype]
