@@ -196,8 +196,6 @@ def test_logprobs_shape(client: Any) -> None:
     assert len(content) == 3 and content[0].top_logprobs[0].token == content[0].token
 
 
-@pytest.mark.xfail(reason="the engine core does not forward the workers' sampled-token "
-                   "logprobs in RequestOutput.new_logprobs yet (scheduler side)", strict=False)
 def test_logprob_values(client: Any) -> None:
     r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0,
                                   logprobs=1, extra_body=EB)
