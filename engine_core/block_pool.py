@@ -76,10 +76,12 @@ class BlockPool:
         """Take blocks from the LRU end; a reused cache candidate loses its hash entry."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         table = self.cached_block_hash_to_block
+        num_cached = self.num_cached_blocks
         for block in blocks:
-            if block.block_hash is not None:
-                del table[block.block_hash]
-                self.num_cached_blocks[key_group(block.block_hash)] -= 1
+            key = block.block_hash
+            if key is not None:
+                del table[key]
+                num_cached[key[1] if type(key) is tuple else 0] -= 1  # key_group, inlined
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks

@@ -124,8 +124,12 @@ class KVCacheManager:
         managers = self.managers
         if self.window_managers:
             # first, so the blocks that left the window can serve this allocation
-            self.remove_skipped_blocks(request, request.num_computed_tokens
-                                       + num_new_computed_tokens)
+            computed = request.num_computed_tokens + num_new_computed_tokens
+            for m in self.window_managers:
+                if computed >= m.next_removal(rid) and rid in m.req_to_blocks:
+                    freed = m.remove_skipped_blocks(rid, computed)
+                    self.num_held_blocks -= freed
+                    self.num_freed_by_window[m.group_id] += freed
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:  # first allocation: registered only if it succeeds
             blocks = []

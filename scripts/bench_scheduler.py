@@ -11,6 +11,12 @@ computed, like a real worker; its ModelRunnerOutput is built outside the timed r
         # (each variant a fresh process per round); medians of us_per_step
   python scripts/bench_scheduler.py --replay TRACE [--replay-set KEY=VALUE ...]
         # the trace's arrivals through the scheduler alone; do the decisions match?
+  ... --kv-groups hybrid:64        # KV cache groups: full (default), hybrid:W (one full and one
+                                   # W-token sliding-window group) or window:W (all windowed)
+  ... --compare-groups [--window 64] [--rounds 5]
+        # single full-attention group vs hybrid (full + window), interleaved fresh processes
+  python scripts/bench_scheduler.py --kv-blocks-at 8192 [--window 4096]
+        # KV blocks (and MiB at Mistral-7B's shape) held at that context, windowed vs full
   ... --json   -> last stdout line is one JSON object (us_per_step, schedule_us, update_us)
 """
 
@@ -44,6 +50,21 @@ from protocol.messages import ModelRunnerOutput, SamplingParams  # noqa: E402
 VOCAB = 32000
 
 
+def kv_groups(spec: str) -> list | None:
+    """--kv-groups: full -> None (one full-attention group, the default), hybrid:W -> one full
+    and one W-token window group (two layers), window:W -> one window group."""
+    if spec == "full":
+        return None
+    from protocol.kv_cache_spec import kv_cache_groups
+
+    kind, _, w = spec.partition(":")
+    if kind == "hybrid":
+        return kv_cache_groups([0, int(w)])
+    if kind == "window":
+        return kv_cache_groups([int(w)])
+    raise SystemExit(f"--kv-groups: expected full, hybrid:W or window:W, got {spec!r}")
+
+
 def fake_model_output(sched: Scheduler, step_id: int, rng: random.Random) -> ModelRunnerOutput:
     """One token for every running request whose known tokens are all computed."""
     handles = [r.handle for r in sched.running if r.num_computed_tokens >= r.num_tokens]
@@ -69,7 +90,10 @@ class Bench:
             prefix_hash=args.prefix_hash,
             **opts,  # type: ignore[arg-type]
         )
-        self.sched = Scheduler(cfg, args.num_blocks, args.max_model_len, args.max_batched)
+        groups = kv_groups(args.kv_groups)
+        extra = {"kv_cache_groups": groups} if groups else {}  # a "before" tree has no groups
+        self.sched = Scheduler(cfg, args.num_blocks, args.max_model_len, args.max_batched,
+                               **extra)  # type: ignore[arg-type]
         self.n_added = 0
         self.encoder = Encoder()
         self.sched_us: list[float] = []
@@ -132,6 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         b.sched.close()
     return {
         "case": "mixed" if args.mixed else f"decode{args.num_requests}",
+        "kv_groups": args.kv_groups,
+        "freed_by_window": sum(getattr(b.sched.kv_cache_manager, "num_freed_by_window", [0])),
         "us_per_step": round(statistics.median(total), 1),
         "schedule_us": round(statistics.median(b.sched_us), 1),
         "update_us": round(statistics.median(b.update_us), 1),
@@ -197,6 +223,73 @@ def compare_trace(args: argparse.Namespace, passthrough: list[str]) -> dict[str,
     }
 
 
+def compare_groups(args: argparse.Namespace, passthrough: list[str]) -> dict[str, object]:
+    """One full-attention group against a hybrid model (one full + one --window group), each
+    round both variants as fresh processes, interleaved so they share the machine's drift."""
+    script = os.path.abspath(__file__)
+    variants = {"single": "full", "hybrid": f"hybrid:{args.window}"}
+    us: dict[str, list[float]] = {k: [] for k in variants}
+    freed = 0
+    for _ in range(args.rounds):
+        for name, spec in variants.items():
+            cmd = [sys.executable, script, *passthrough, "--kv-groups", spec, "--json"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            us[name].append(res["us_per_step"])
+            if name == "hybrid":
+                freed = res["freed_by_window"]
+    med = {k: statistics.median(v) for k, v in us.items()}
+    return {
+        "case": "mixed" if args.mixed else f"decode{args.num_requests}",
+        "window": args.window,
+        "rounds": args.rounds,
+        "single_us_per_step": round(med["single"], 1),
+        "hybrid_us_per_step": round(med["hybrid"], 1),
+        "hybrid_vs_single": round(med["hybrid"] / med["single"], 3),
+        "hybrid_freed_by_window": freed,  # the window group really gave blocks back
+        "us_per_step_by_round": us,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+# Mistral-7B's KV shape (32 layers, 8 KV heads of 128, bf16): bytes of K+V per token and layer
+MISTRAL_7B_KV_BYTES_PER_TOKEN_LAYER = 2 * 8 * 128 * 2
+MISTRAL_7B_LAYERS = 32
+
+
+def kv_blocks_at(args: argparse.Namespace) -> dict[str, object]:
+    """One request grown to --kv-blocks-at tokens of context (chunked prefill of the prompt,
+    then decodes) in a windowed model and a full-attention model of the same shape: the KV
+    blocks each holds at the end."""
+    from protocol.kv_cache_spec import kv_cache_groups
+
+    context = args.kv_blocks_at
+    bs = 16
+    out: dict[str, object] = {"context": context, "window": args.window, "block_size": bs}
+    for name, windows in (("full", [0]), ("windowed", [args.window])):
+        cfg = EngineConfig(block_size=bs, max_num_seqs=1)
+        sched = Scheduler(cfg, context // bs + 64, context + 64, args.max_batched,
+                          kv_cache_groups=kv_cache_groups(windows))
+        prompt = [100 + i % 1000 for i in range(context - 64)]
+        sched.add_request(Request("r", prompt, SamplingParams(max_tokens=64, ignore_eos=True),
+                                  None, 0.0))
+        rng = random.Random(0)
+        kvm = sched.kv_cache_manager
+        held = 0
+        while sched.has_unfinished_requests():
+            so = sched.schedule()
+            req = sched.running[0] if sched.running else None
+            if req is not None and req.num_computed_tokens >= context - 1:
+                held = kvm.num_held_blocks  # the blocks holding the context's KV now
+            sched.update_from_output(so, fake_model_output(sched, so.step_id, rng))
+        block_bytes = bs * MISTRAL_7B_KV_BYTES_PER_TOKEN_LAYER * MISTRAL_7B_LAYERS
+        out[f"{name}_blocks"] = held
+        out[f"{name}_mib_mistral7b"] = round(held * block_bytes / 2**20, 1)
+        out[f"{name}_freed_by_window"] = sum(kvm.num_freed_by_window)
+    out["windowed_vs_full"] = round(out["windowed_blocks"] / out["full_blocks"], 3)  # type: ignore[operator]
+    return out
+
+
 def run_replay(args: argparse.Namespace) -> dict[str, object]:
     from engine_core.scheduler_replay import load_trace, replay
 
@@ -252,9 +345,35 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="EngineConfig override for --replay (JSON value), e.g. scheduling_policy=\"fcfs\"",
     )
+    p.add_argument("--kv-groups", default="full", metavar="SPEC",
+                   help="full | hybrid:W | window:W (KV cache groups of the model)")
+    p.add_argument("--compare-groups", action="store_true",
+                   help="single full-attention group vs hybrid:--window, interleaved rounds")
+    p.add_argument("--window", type=int, default=64, help="sliding window (--compare-groups, "
+                   "--kv-blocks-at; default 64 there, 4096 for --kv-blocks-at)")
+    p.add_argument("--kv-blocks-at", type=int, default=0, metavar="TOKENS",
+                   help="KV blocks held at this context, windowed vs full attention")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if args.replay:
+    if args.kv_blocks_at:
+        if "--window" not in sys.argv:
+            args.window = 4096  # Mistral-7B's window
+        res = kv_blocks_at(args)
+    elif args.compare_groups:
+        passthrough = []
+        argv = sys.argv[1:]
+        i = 0
+        while i < len(argv):  # the case's own flags go to every child
+            a = argv[i]
+            if a in ("--rounds", "--window", "--kv-groups"):
+                i += 2
+                continue
+            if a not in ("--compare-groups", "--json") and not a.startswith(
+                    ("--rounds=", "--window=", "--kv-groups=")):
+                passthrough.append(a)
+            i += 1
+        res = compare_groups(args, passthrough)
+    elif args.replay:
         res = run_replay(args)
     elif args.compare_trace:
         if not args.before_ref:
