@@ -65,6 +65,15 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
                    help="KV cache bytes per rank, e.g. 512M (default: 256M on CPU; on CUDA "
                    "sized by --gpu-memory-utilization)")
+    g.add_argument("--kv-offload-memory", type=parse_bytes, default=d.kv_offload_memory,
+                   metavar="SIZE",
+                   help="host memory per rank for KV blocks evicted from the device pool, "
+                   "e.g. 16G: prefix hits there are restored instead of recomputed (0 = off)")
+    g.add_argument("--kv-offload-disk", default=d.kv_offload_disk, metavar="DIR",
+                   help="a disk tier behind --kv-offload-memory, in DIR/rank<R>/ "
+                   "(needs --kv-offload-disk-size)")
+    g.add_argument("--kv-offload-disk-size", type=parse_bytes, default=d.kv_offload_disk_size,
+                   metavar="SIZE", help="bytes of the disk tier per rank, e.g. 64G")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="share of each GPU the engine may use: the KV cache gets what is left "
                    "after the weights and a profile forward (default 0.9)")

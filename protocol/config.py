@@ -29,6 +29,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # bytes of K+V per rank; None means "the device default": 256 MiB on CPU, and on CUDA what
     # gpu_memory_utilization leaves after the weights and a profile forward
     kv_cache_memory: int | None = None
+    # tiered KV cache (issue 19): host bytes per rank for blocks evicted from the device pool
+    # (0 = off), and an optional disk tier (a directory; bytes per rank) behind it
+    kv_offload_memory: int = 0
+    kv_offload_disk: str | None = None
+    kv_offload_disk_size: int = 0
     # share of each GPU's memory the engine may use (vLLM's --gpu-memory-utilization)
     gpu_memory_utilization: float = 0.9
     # auto: weights from the model's files; dummy: random weights of the model's shape
@@ -74,6 +79,9 @@ def config_error(config: EngineConfig) -> str | None:
         return f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
     if config.kv_cache_memory is not None and config.kv_cache_memory <= 0:
         return f"kv_cache_memory must be > 0 bytes, got {config.kv_cache_memory}"
+    offload_error = _kv_offload_error(config)
+    if offload_error is not None:
+        return offload_error
     if config.device not in ("auto", "cpu", "cuda"):
         return f"unknown device {config.device!r}; expected auto, cpu or cuda"
     if config.speculative_ngram < 0 or config.num_speculative_tokens < 0:
@@ -91,4 +99,25 @@ def config_error(config: EngineConfig) -> str | None:
     if config.speculative_ngram and config.async_scheduling:
         # The proposer needs the newest token, which async scheduling has not seen yet.
         return "async_scheduling and speculative decoding cannot be combined yet"
+    return None
+
+
+def _kv_offload_error(config: EngineConfig) -> str | None:
+    """The offload tiers' options (issue 19)."""
+    if config.kv_offload_memory < 0:
+        return f"kv_offload_memory must be >= 0 bytes, got {config.kv_offload_memory}"
+    if config.kv_offload_disk_size < 0:
+        return f"kv_offload_disk_size must be >= 0 bytes, got {config.kv_offload_disk_size}"
+    if config.kv_offload_disk_size and not config.kv_offload_disk:
+        return "kv_offload_disk_size needs a directory (--kv-offload-disk DIR)"
+    if config.kv_offload_disk is not None and not config.kv_offload_disk:
+        return "kv_offload_disk is an empty path"
+    if config.kv_offload_disk and not config.kv_offload_disk_size:
+        return "kv_offload_disk needs a size (--kv-offload-disk-size, e.g. 64G)"
+    if config.kv_offload_disk and not config.kv_offload_memory:
+        # the disk tier takes what the host tier evicts, and restores go through host memory
+        return "kv_offload_disk needs a host tier (--kv-offload-memory, e.g. 16G)"
+    if config.kv_offload_memory and not config.enable_prefix_caching:
+        # tier entries are keyed by the prefix cache's block hashes
+        return "kv_offload_memory needs prefix caching (--enable-prefix-caching)"
     return None
