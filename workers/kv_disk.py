@@ -35,6 +35,8 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHQQQ16s")
 _DIGEST_SIZE = 16
 HEADER_BYTES = _HEADER.size
+# a read's state; ordered so that the minimum over ranks is the verdict for the block
+READ_FAILED, READ_PENDING, READ_OK = 0, 1, 2
 
 
 class RecordError(ValueError):
@@ -163,15 +165,31 @@ class DiskKVStore:
             log.warning("KV disk tier: %s is a miss: %s", path, e)
             return False
 
+    def read_state(self, host_slot: int) -> int:
+        """READ_OK, READ_PENDING or READ_FAILED for the read into ``host_slot`` (unchanged by
+        asking: the ranks agree on a verdict before anyone acts on it)."""
+        fut = self._reads[host_slot]
+        if not fut.done():
+            return READ_PENDING
+        return READ_OK if fut.exception() is None and fut.result() else READ_FAILED
+
+    def forget(self, host_slot: int) -> None:
+        """The read into ``host_slot`` has been settled (it is finished)."""
+        del self._reads[host_slot]
+
+    @property
+    def reads_in_flight(self) -> list[int]:
+        return sorted(self._reads)
+
     def poll(self) -> tuple[list[int], list[int]]:
         """Host slots whose reads finished since the last poll: (verified, failed)."""
         done: list[int] = []
         failed: list[int] = []
-        for host_slot, fut in list(self._reads.items()):
-            if fut.done():
-                del self._reads[host_slot]
-                ok = fut.exception() is None and fut.result()
-                (done if ok else failed).append(host_slot)
+        for host_slot in self.reads_in_flight:
+            state = self.read_state(host_slot)
+            if state != READ_PENDING:
+                self.forget(host_slot)
+                (done if state == READ_OK else failed).append(host_slot)
         return done, failed
 
     def wait(self) -> None:

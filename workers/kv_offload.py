@@ -16,6 +16,7 @@ flight or failed: the scheduler never plans it, so it would be a bug, not a miss
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import torch
 
 from protocol.codec import pack
 from protocol.kv_transfer import DecodedTransfers, KVLoadResult, KVTransfers, decode_transfers
-from workers.kv_disk import DiskKVStore
+from workers.kv_disk import READ_FAILED, READ_OK, DiskKVStore
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,20 @@ class KVOffloadExecutor:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._event: torch.cuda.Event | None = None  # copies of the last step with copies
         self._wait_pending = False  # the next forward must wait for _event
+        # time the step thread spent in apply (on CUDA: issuing the copies, not running
+        # them), for the stats next to the scheduler's byte counters
+        self.apply_seconds = 0.0
 
     def apply(self, transfers: KVTransfers | DecodedTransfers, k_caches: Sequence[torch.Tensor],
               v_caches: Sequence[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._apply(transfers, k_caches, v_caches)
+        finally:
+            self.apply_seconds += time.perf_counter() - t0
+
+    def _apply(self, transfers: KVTransfers | DecodedTransfers,
+               k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
         t = decode_transfers(transfers) if isinstance(transfers, KVTransfers) else transfers
         if len(k_caches) != self.pool.layout.num_caches or len(v_caches) != len(k_caches):
             raise ValueError(f"{len(k_caches)} caches, the host pool has "
@@ -222,17 +234,33 @@ class KVOffloadExecutor:
 
     # ---- disk reads ------------------------------------------------------------------------
 
-    def poll_loads(self) -> KVLoadResult | None:
-        """Disk reads settled since the last call, for the scheduler; None when none did."""
+    def load_states(self) -> tuple[list[int], list[int]]:
+        """(host slots with a disk read in flight, sorted; their READ_* states), changing
+        nothing. Every rank got the same reads, so the slot lists agree; under TP the ranks
+        take the elementwise minimum of the states (one small all-reduce, only in steps with
+        reads in flight) and each passes it to ``settle``: a read that failed on any rank
+        is failed everywhere, and one still pending anywhere waits."""
         if self.disk is None:
-            return None
-        done, failed = self.disk.poll()
+            return [], []
+        slots = self.disk.reads_in_flight
+        return slots, [self.disk.read_state(s) for s in slots]
+
+    def settle(self, slots: Sequence[int], states: Sequence[int]) -> KVLoadResult | None:
+        """Act on the agreed states; the report for the scheduler, None when nothing settled."""
+        assert self.disk is not None or not slots
+        done = [s for s, st in zip(slots, states, strict=True) if st == READ_OK]
+        failed = [s for s, st in zip(slots, states, strict=True) if st == READ_FAILED]
         if not (done or failed):
             return None
-        self._loading.difference_update(done)
-        self._loading.difference_update(failed)
-        self._bad.update(failed)
+        for s in (*done, *failed):
+            self.disk.forget(s)  # type: ignore[union-attr]
+            self._loading.discard(s)
+        self._bad.update(failed)  # the bytes there may be partial: never restore them
         return KVLoadResult(done_host_slots=pack(done), failed_host_slots=pack(failed))
+
+    def poll_loads(self) -> KVLoadResult | None:
+        """``settle`` on this rank's own states (TP=1, tests)."""
+        return self.settle(*self.load_states())
 
     def synchronize(self) -> None:
         """Wait for every copy and disk operation (tests, shutdown)."""

@@ -14,7 +14,15 @@ import torch
 
 from protocol.codec import unpack
 from protocol.kv_transfer import KVTransfers, pack_pairs, pack_tags
-from workers.kv_disk import HEADER_BYTES, DiskKVStore, RecordError, decode_record, encode_record
+from workers.kv_disk import (
+    HEADER_BYTES,
+    READ_FAILED,
+    READ_OK,
+    DiskKVStore,
+    RecordError,
+    decode_record,
+    encode_record,
+)
 from workers.kv_offload import (
     HostKVLayout,
     HostKVPool,
@@ -200,6 +208,37 @@ def test_a_read_while_in_flight_is_refused(layout: HostKVLayout, tmp_path: os.Pa
     ex.close()
 
 
+def test_tp_ranks_agree_on_a_read_that_failed_on_one(layout: HostKVLayout,
+                                                      tmp_path: os.PathLike) -> None:
+    # two ranks, same plan; rank 1's record is damaged: the minimum of the states fails the
+    # read on both, so both refuse to restore it
+    ranks = []
+    for r in range(2):
+        ks, vs = make_caches(layout, seed=r)
+        disk = DiskKVStore(str(tmp_path), r, 4, layout.describe(), layout.nbytes_per_block)
+        ex = KVOffloadExecutor(HostKVPool(layout, 2), disk)
+        ex.apply(KVTransfers(device_to_host=pack_pairs([(2, 0)])), ks, vs)
+        ex.apply(KVTransfers(host_to_disk=pack_pairs([(0, 1)]),
+                             host_to_disk_tags=pack_tags([5])), ks, vs)
+        ex.synchronize()
+        ranks.append((ex, ks, vs))
+    _truncate(str(ranks[1][0].disk.path(1)))  # type: ignore[union-attr]
+    for ex, ks, vs in ranks:
+        ex.apply(KVTransfers(disk_to_host=pack_pairs([(1, 1)]),
+                             disk_to_host_tags=pack_tags([5])), ks, vs)
+        ex.synchronize()
+    states = [ex.load_states() for ex, _, _ in ranks]
+    assert states[0] == ([1], [READ_OK]) and states[1] == ([1], [READ_FAILED])
+    agreed = [min(col) for col in zip(*(st for _, st in states), strict=True)]
+    for ex, ks, vs in ranks:
+        report = ex.settle([1], agreed)
+        assert report is not None and unpack(report.failed_host_slots) == [1]
+        with pytest.raises(RuntimeError, match="failed"):
+            ex.apply(KVTransfers(host_to_device=pack_pairs([(1, 4)])), ks, vs)
+        assert ex.load_states() == ([], [])
+        ex.close()
+
+
 def test_record_codec() -> None:
     payload = bytes(range(256)) * 4
     rec = encode_record(9, 3, payload)
@@ -236,3 +275,28 @@ def test_padded_kv_heads_shard() -> None:
 def test_layout_from_allocated_caches(layout: HostKVLayout) -> None:
     ks, _ = make_caches(layout)
     assert HostKVLayout.from_caches(ks) == layout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_stream_copies_round_trip(layout: HostKVLayout) -> None:
+    dev = torch.device("cuda")
+    ks, vs = (list(t) for t in make_caches(layout))
+    want = {b: block(ks, vs, b) for b in (2, 6)}
+    ks, vs = [k.to(dev) for k in ks], [v.to(dev) for v in vs]
+    ex = KVOffloadExecutor(HostKVPool(layout, 4, pin=True), device=dev)
+    ex.apply(KVTransfers(device_to_host=pack_pairs([(2, 0), (6, 3)])), ks, vs)
+    ex.wait_before_forward()
+    for k, v in zip(ks, vs, strict=True):  # the forward overwrites the evicted blocks
+        k[[2, 6]] = 0
+        v[[2, 6]] = 0
+    # evict block 9 and restore into it in the same step (device -> host runs first)
+    old9 = block([k.cpu() for k in ks], [v.cpu() for v in vs], 9)
+    ex.apply(KVTransfers(device_to_host=pack_pairs([(9, 1)]),
+                         host_to_device=pack_pairs([(0, 9), (3, 2)])), ks, vs)
+    ex.wait_before_forward()
+    torch.cuda.current_stream().synchronize()
+    cpu_k, cpu_v = [k.cpu() for k in ks], [v.cpu() for v in vs]
+    assert np.array_equal(block(cpu_k, cpu_v, 9), want[2])
+    assert np.array_equal(block(cpu_k, cpu_v, 2), want[6])
+    ex.synchronize()
+    assert np.array_equal(host_bytes(ex.pool.data[1]), old9)
