@@ -1,0 +1,27 @@
+"""Tiered KV cache accounting (issue 19): host memory and disk tiers behind the device pool.
+
+The scheduler side owns every decision (which block goes to which slot, what is evicted) and
+names the copies; the workers execute them (workers/kv_offload.py). Wire form of the copies:
+protocol/kv_transfer.py.
+"""
+
+from engine_core.kv_offload.manager import (
+    KVOffloadManager,
+    OffloadCopy,
+    RestoreCopy,
+    SpillCopy,
+    TierLookup,
+)
+from engine_core.kv_offload.tier import OffloadTier, TierEntry, block_hash_tag, tier_capacity
+
+__all__ = [
+    "KVOffloadManager",
+    "OffloadCopy",
+    "OffloadTier",
+    "RestoreCopy",
+    "SpillCopy",
+    "TierEntry",
+    "TierLookup",
+    "block_hash_tag",
+    "tier_capacity",
+]
