@@ -27,13 +27,17 @@ def tier_capacity(nbytes: int, bytes_per_block: int) -> int:
 
 
 def block_hash_tag(block_hash: BlockHash) -> int:
-    """A 64-bit tag of a block hash, written into disk records and checked on read (a record
-    found under the wrong slot is then a miss). sha256 hashes are uniform bytes, so their first
-    8 bytes serve; the "fast" hashes are Python ints."""
+    """A 64-bit tag of a block hash (or of the block pool's per-group key), written into disk
+    records and checked on read (a record found under the wrong slot is then a miss). sha256
+    hashes are uniform bytes, so their first 8 bytes serve; the "fast" hashes are Python ints."""
     if isinstance(block_hash, bytes | bytearray):
         return int.from_bytes(bytes(block_hash[:8]).ljust(8, b"\0"), "little")
     if isinstance(block_hash, int):
         return block_hash & _MASK64
+    if isinstance(block_hash, tuple) and len(block_hash) == 2:
+        # the block pool's key for a block of KV cache group g > 0: (hash, g)
+        inner, group = block_hash
+        return (block_hash_tag(inner) ^ (group * 0x9E3779B97F4A7C15)) & _MASK64
     raise TypeError(f"unsupported block hash type {type(block_hash).__name__}")
 
 

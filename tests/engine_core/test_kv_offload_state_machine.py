@@ -14,7 +14,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine_core.kv_offload import KVOffloadManager
+from engine_core.kv_offload import KVOffloadManager, block_hash_tag
 from protocol.codec import Decoder, Encoder
 from protocol.kv_transfer import KVTransfers, decode_transfers
 
@@ -199,3 +199,14 @@ class OffloadMachine(RuleBasedStateMachine):
 
 TestOffloadMachine = OffloadMachine.TestCase
 TestOffloadMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_block_hash_tags() -> None:
+    import hashlib
+
+    h = hashlib.sha256(b"x").digest()
+    assert block_hash_tag(h) == int.from_bytes(h[:8], "little")
+    assert block_hash_tag(-1) == 2**64 - 1
+    # per-group keys of the block pool differ from group 0's and from each other
+    tags = {block_hash_tag(h), block_hash_tag((h, 1)), block_hash_tag((h, 2))}
+    assert len(tags) == 3 and all(0 <= t < 2**64 for t in tags)
