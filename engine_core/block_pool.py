@@ -13,10 +13,14 @@ hash for group 0 (a single-group model pays nothing) and (hash, group) for the o
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine_core.free_block_queue import FreeKVCacheBlockQueue
 from engine_core.kv_cache_block import KVCacheBlock
 from engine_core.request import BlockHash, Request
+
+if TYPE_CHECKING:
+    from engine_core.kv_offload import KVOffloadManager
 
 
 def group_key(block_hash: BlockHash, group_id: int) -> BlockHash:
@@ -30,7 +34,8 @@ def key_group(key: BlockHash) -> int:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1,
+                 offload: KVOffloadManager | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -43,6 +48,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # registered blocks per group (the trace's "cached"), kept exact on register / evict
         self.num_cached_blocks = [0] * num_groups
+        # the KV offload tiers (issue 19): a cached block that is reused for another one is
+        # offered to the host tier first, so its prefix can come back without a prefill
+        self.offload = offload
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -77,9 +85,14 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         table = self.cached_block_hash_to_block
         num_cached = self.num_cached_blocks
+        offload = self.offload
         for block in blocks:
             key = block.block_hash
             if key is not None:
+                # full-attention group 0 only (keys of other groups are tuples): the tiers
+                # are keyed by the plain block hash, and restores fill group 0's table
+                if offload is not None and type(key) is not tuple:
+                    offload.on_device_evict(key, block.block_id)
                 del table[key]
                 num_cached[key[1] if type(key) is tuple else 0] -= 1  # key_group, inlined
                 block.block_hash = None
@@ -107,6 +120,8 @@ class BlockPool:
         """Forget every cached prefix; refused (False) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
+        if self.offload is not None and not self.offload.reset():
+            return False  # copies planned or disk reads in flight: try again later
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

@@ -24,6 +24,7 @@ import zmq
 
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
+from engine_core.scheduler_offload import make_offload_manager
 from engine_core.step_timeline import StepTimeline
 from engine_core.validation import validate_prompt, validate_sampling
 from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack, worker_decoder
@@ -162,6 +163,20 @@ class EngineCore:
         if len(windows) != 1:
             raise EngineFatal(f"ranks report different per-layer KV specs: {sorted(windows)}")
         groups = kv_cache_groups(h0.layer_windows)
+        # the KV offload tiers: every rank holds its shard of the same slots, so the smallest
+        # rank's tier sizes bound them all
+        offload = None
+        if self.config.kv_offload_memory > 0:
+            offload = make_offload_manager(
+                min(h.num_host_blocks for h in hellos.values()),
+                min(h.num_disk_blocks for h in hellos.values()),
+                h0.kv_bytes_per_block,
+                len(groups),
+            )
+            if offload is None:
+                logger.warning("KV offload tiers off: %d KV cache groups (only models with one "
+                               "full-attention group are supported) or no host block fits",
+                               len(groups))
         self.scheduler = Scheduler(
             self.config,
             self.num_blocks,
@@ -169,6 +184,7 @@ class EngineCore:
             budget,
             eos_token_id=self.eos_token_id,
             kv_cache_groups=groups,
+            offload=offload,
         )
         self.last_seen = [time.monotonic()] * self.world_size
         logger.info(
@@ -243,7 +259,11 @@ class EngineCore:
             self.timeline.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, nbytes)
         if so.total_num_scheduled_tokens == 0 and not outputs and not in_flight:
             # Nothing could run (e.g. KV full, nothing to preempt): wait for input, don't spin.
-            self._poll_frontend(int(PING_INTERVAL_S * 1000))
+            # A request waiting for its prefix's disk reads only needs the workers' next
+            # report: a short wait (the reads take milliseconds).
+            offload = self.scheduler.kv_offload
+            waiting_for_loads = offload is not None and offload.waiting_for_loads
+            self._poll_frontend(2 if waiting_for_loads else int(PING_INTERVAL_S * 1000))
 
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""

@@ -14,6 +14,7 @@ full-attention group (every Llama) takes the same steps as before groups existed
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from engine_core.block_pool import BlockPool
 from engine_core.kv_cache_block import KVCacheBlock
@@ -22,6 +23,9 @@ from engine_core.kv_cache_hashing import BlockHasher, get_hash_fn
 from engine_core.request import Request
 from engine_core.single_type_kv_cache_manager import make_manager
 from protocol.kv_cache_spec import KVCacheGroupSpec
+
+if TYPE_CHECKING:
+    from engine_core.kv_offload import KVOffloadManager, TierLookup
 
 _NO_LIMIT = 1 << 62
 
@@ -35,6 +39,7 @@ class KVCacheManager:
         hash_fn: str = "sha256",
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
         max_chunk: int = 8192,
+        offload: KVOffloadManager | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -44,7 +49,10 @@ class KVCacheManager:
         self.num_blocks = num_blocks  # including the null block
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching, self.num_groups)
+        # the KV offload tiers behind the device pool (issue 19); None: evicted prefixes are
+        # gone, as without --kv-offload-memory
+        self.offload = offload
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.num_groups, offload)
         self.block_hasher = BlockHasher(block_size, get_hash_fn(hash_fn))
         # max_chunk: the most tokens one allocation covers (token budget + drafts), which
         # bounds what a sliding-window group holds at once
@@ -93,6 +101,13 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
 
+    def get_offloaded_prefix(self, request: Request, num_device_hit_blocks: int) -> TierLookup:
+        """How many blocks right after the device prefix-cache hit the offload tiers hold,
+        under get_computed_blocks' cap (at least one token is always computed)."""
+        assert self.offload is not None
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.offload.lookup(request.block_hashes[num_device_hit_blocks:max_blocks])
+
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Sliding-window groups give back the blocks no later query of ``request`` can see
         (every query from num_computed_tokens on); the null block takes their place."""
@@ -111,6 +126,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_restored_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Room for ``num_new_tokens`` (+ lookahead) after the computed ones.
 
@@ -119,6 +135,11 @@ class KVCacheManager:
         except that window groups may have given back blocks no query can see any more.
         Blocks are registered in the prefix cache only up to request.num_tokens, so
         speculative tokens never enter it.
+
+        ``num_restored_blocks``: that many blocks right after the prefix-cache hit come back
+        from the host tier (reserved by the caller: KVOffloadManager.reserve_restore); they
+        are counted in ``num_new_computed_tokens`` and get the first new blocks, which this
+        step's copies fill before the forward reads them.
         """
         rid = request.request_id
         managers = self.managers
@@ -169,6 +190,15 @@ class KVCacheManager:
                             new_blocks[i * num_new_blocks : (i + 1) * num_new_blocks]
                         )
                 self.num_held_blocks += total_new
+                offload = self.offload
+                if offload is not None:
+                    # this step writes them (forward or restore): not offloadable until then
+                    offload.mark_uncomputed([b.block_id for b in new_blocks])
+                    if num_restored_blocks:
+                        first = len(blocks) - num_new_blocks  # group 0's first new block
+                        offload.plan_restore(
+                            request.block_hashes[first : first + num_restored_blocks],
+                            [b.block_id for b in new_blocks[:num_restored_blocks]])
         limit = len(blocks) * bs
         if self.enable_caching:
             num_full = (end if end < request.num_tokens else request.num_tokens) // bs

@@ -18,9 +18,11 @@ from collections.abc import Iterable, Sequence
 
 from engine_core.invariants import check_block_pool, check_scheduler_queues
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.kv_offload import KVOffloadManager
 from engine_core.ngram_proposer import NgramProposer
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.request_queue import create_request_queue
+from engine_core.scheduler_offload import OffloadScheduling
 from engine_core.scheduler_output_builder import StepDiff
 from engine_core.scheduler_trace import SchedulerTrace, trace_header
 from engine_core.scheduler_update import SchedulerUpdate
@@ -56,6 +58,7 @@ class Scheduler(SchedulerUpdate):
         max_num_batched_tokens: int,
         eos_token_id: int | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        offload: KVOffloadManager | None = None,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -79,7 +82,12 @@ class Scheduler(SchedulerUpdate):
             config.prefix_hash,
             kv_cache_groups,
             max_chunk=max_num_batched_tokens + config.num_speculative_tokens,
+            offload=offload,
         )
+        # the KV offload tiers (scheduler_offload.py); None without --kv-offload-memory
+        self.kv_offload: OffloadScheduling | None = None
+        if offload is not None:
+            self.kv_offload = OffloadScheduling(offload, self.kv_cache_manager)
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
@@ -198,6 +206,8 @@ class Scheduler(SchedulerUpdate):
         if self.trace is not None:
             self.trace.on_finish(req, FINISH_REASONS[status])
         self.kv_cache_manager.free(req)
+        if self.kv_offload is not None:
+            self.kv_offload.forget(req.request_id)
         del self.requests[req.request_id]
         if req.handle is not None:  # the workers know it: tell them to forget it
             self._finished_handles.append(req.handle)
@@ -224,9 +234,13 @@ class Scheduler(SchedulerUpdate):
         if diff.spec:
             self._spec_by_step[step_id] = diff.spec
         finished, self._finished_handles = self._finished_handles, []
+        so = diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups)
+        if self.kv_offload is not None:
+            # once per step, after every allocation and preemption of it
+            so.kv_transfers = self.kv_offload.take_transfers()
         if self.trace is not None:
             self.trace.on_schedule(self, diff, step_id)
-        return diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups)
+        return so
 
     def _schedule_running(self, diff: StepDiff, budget: int) -> int:
         running = self.running
@@ -271,6 +285,7 @@ class Scheduler(SchedulerUpdate):
             while new_blocks is None:
                 victim = self._pick_victim()
                 vi = running.index(victim)
+                given = 0
                 if victim is not req and vi < i:  # already scheduled: give its budget back
                     given = diff.forget(victim.handle)  # type: ignore[arg-type]
                     budget += given
@@ -281,7 +296,7 @@ class Scheduler(SchedulerUpdate):
                     running.pop()
                     self._finish_in_schedule(req, LENGTH_CAPPED, diff)
                     break
-                self._preempt(victim, vi, diff)
+                self._preempt(victim, vi, diff, given)
                 if victim is req:
                     break
                 new_blocks = allocate(req, n)
@@ -317,9 +332,13 @@ class Scheduler(SchedulerUpdate):
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, victim: Request, index: int, diff: StepDiff) -> None:
-        """Preemption by recompute: free every block, start over (tokens are kept)."""
+    def _preempt(self, victim: Request, index: int, diff: StepDiff, given_back: int = 0) -> None:
+        """Preemption by recompute: free every block, start over (tokens are kept). With the
+        KV offload tiers, the computed full blocks (not the ``given_back`` tokens this step
+        had scheduled) go to the host tier first, so the restart restores them."""
         del self.running[index]
+        if self.kv_offload is not None:
+            self.kv_offload.on_preempt(victim, victim.num_computed_tokens - given_back)
         self.kv_cache_manager.free(victim)
         if self.reserve_full_isl:
             self._full_blocks -= self.kv_cache_manager.max_blocks(_full_len(victim))
@@ -351,6 +370,14 @@ class Scheduler(SchedulerUpdate):
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek_request()
             hits, num_hit = kvm.get_computed_blocks(req)
+            restore = 0
+            if self.kv_offload is not None:
+                # blocks after the device hit that come back from the host tier
+                r = self.kv_offload.blocks_to_restore(req, num_hit)
+                if r is None:  # its prefix is being read from disk: a few steps at most
+                    break
+                restore = r
+                num_hit += restore * self.block_size
             n = req.num_tokens - num_hit
             # without chunking a prompt must fit whole (unless it could never fit)
             if not chunked and budget < n <= self.max_num_batched_tokens:
@@ -366,8 +393,10 @@ class Scheduler(SchedulerUpdate):
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - num_hit)
-            if kvm.allocate_slots(req, n, num_hit, hits) is None:
+            if kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore) is None:
                 break
+            if restore:
+                self.kv_offload.on_admitted(restore)  # type: ignore[union-attr]
             if gate:
                 self._full_blocks += kvm.max_blocks(_full_len(req))
             waiting.pop_request()
@@ -426,6 +455,7 @@ class Scheduler(SchedulerUpdate):
             "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
             "spec_mean_accepted_len": 1.0
             + self.num_accepted_tokens / max(1, self.num_spec_verifications),
+            **(self.kv_offload.stats() if self.kv_offload is not None else {}),
         }
 
     def close(self) -> None:
@@ -437,6 +467,8 @@ class Scheduler(SchedulerUpdate):
     def check_invariants(self) -> None:
         kvm = self.kv_cache_manager
         check_block_pool(kvm.block_pool, kvm.held_tables())
+        if self.kv_offload is not None:
+            self.kv_offload.offload.check_invariants()
         check_scheduler_queues(
             self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs
         )

@@ -14,6 +14,7 @@ from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine_core.request_queue import FCFSRequestQueue, PriorityRequestQueue
+    from engine_core.scheduler_offload import OffloadScheduling
     from engine_core.scheduler_trace import SchedulerTrace
 
 RUNNING = RequestStatus.RUNNING
@@ -34,6 +35,7 @@ class SchedulerUpdate:
     num_accepted_tokens: int
     num_spec_verifications: int
     trace: SchedulerTrace | None
+    kv_offload: OffloadScheduling | None
 
     def _free_request(self, req: Request, status: RequestStatus) -> None:
         raise NotImplementedError  # Scheduler's
@@ -41,6 +43,9 @@ class SchedulerUpdate:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
+        if model_output.kv_load is not None and self.kv_offload is not None:
+            # disk -> host reads every rank finished (or one failed): restorable (or dropped)
+            self.kv_offload.complete_loads(model_output.kv_load)
         handles = unpack(model_output.req_handles)
         tokens = unpack(model_output.sampled_token_ids)
         spec = self._spec_by_step.pop(scheduler_output.step_id, None)

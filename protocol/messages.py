@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
+PROTOCOL_VERSION = 2
 
 
 class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -205,6 +206,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=20, kw_only=True):
     # consistency checks a worker verifies before computing anything
     num_running: int = 0  # size of the running set after applying this diff
     total_num_scheduled_tokens: int = 0
+    # the KV offload tiers' copies of this step (protocol/kv_transfer.py), run before the
+    # forward; None in a step without copies (and always without --kv-offload-memory)
+    kv_transfers: KVTransfers | None = None
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag=21):
@@ -248,6 +252,11 @@ class WorkerHello(msgspec.Struct, array_like=True, tag=30, kw_only=True):
     # the KV spec of every layer: its sliding window in tokens, 0 = full attention; the core
     # derives the KV cache groups from it (protocol.kv_cache_spec.kv_cache_groups)
     layer_windows: list[int] = []
+    # KV offload tiers of this rank (0 = off); the core uses the minimum over ranks, since
+    # every rank holds its own shard of the same slots
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    kv_bytes_per_block: int = 0  # this rank's bytes of one block in the host tier
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
@@ -263,6 +272,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
     # worker-side timings of this step in microseconds (prepare, forward, sample), for the
     # host-overhead breakdown; empty when not collected
     timings_us: list[float] = []
+    # disk -> host reads of the KV offload tiers settled this step (agreed by every rank)
+    kv_load: KVLoadResult | None = None
 
 
 class WorkerError(msgspec.Struct, array_like=True, tag=32, kw_only=True):
@@ -286,3 +297,9 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
 
 
 WorkerMessage = WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady
+
+
+# At the end: protocol.kv_transfer reaches protocol.codec, which imports this module's names.
+# The annotations above are strings (resolved when a decoder is built), so a late import is
+# enough for msgspec and breaks the cycle.
+from protocol.kv_transfer import KVLoadResult, KVTransfers  # noqa: E402

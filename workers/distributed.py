@@ -120,3 +120,17 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
 
+
+
+def tp_all_reduce_min(values: list[int], device: torch.device) -> list[int]:
+    """Elementwise minimum of a small int list over the TP ranks (the KV offload tiers'
+    disk-read verdicts); the list itself at world size 1. Every rank must call it in the same
+    step with a list of the same length. Through torch.distributed, not the shared-memory
+    path: it carries only sums, and this runs only in steps with disk reads in flight."""
+    if _world() == 1 or not values:
+        return list(values)
+    # NCCL reduces device tensors only; gloo takes CPU ones
+    dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(v) for v in t.tolist()]

@@ -245,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             attn.k_cache, attn.v_cache = caches[self.layer_slot[i]]
+        # the distinct cache tensors, in slot order (layers of different groups share one):
+        # what the KV offload tiers copy for a block id
+        self.kv_caches = caches
 
     @torch.no_grad()
     def prepack_weights(self) -> None:

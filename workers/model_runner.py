@@ -15,9 +15,10 @@ import torch
 
 from protocol.codec import pack, pack_f32
 from protocol.config import EngineConfig
+from protocol.kv_transfer import KVLoadResult
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from workers.attention import AttentionMetadata
-from workers.distributed import DistEnv
+from workers.distributed import DistEnv, tp_all_reduce_min
 from workers.input_batch import BatchInputs, InputBatch
 from workers.input_staging import InputStaging
 from workers.memory_profile import GPU_MAX_BATCHED_TOKENS
@@ -26,6 +27,7 @@ from workers.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
 
 if TYPE_CHECKING:
     from workers.cuda_graph_runner import CudaGraphRunner
+    from workers.kv_offload import KVOffloadExecutor
     from workers.llama import LlamaForCausalLM
     from workers.model_config import ModelConfig
 
@@ -57,6 +59,14 @@ class ModelRunner:
         # the decode-step graphs.
         self.staging: InputStaging | None = None
         self.graphs: CudaGraphRunner | None = None
+        # the KV offload tiers (issue 19): host pool (+ disk store) and the executor of the
+        # copies each step names; None without --kv-offload-memory
+        self.kv_offload: KVOffloadExecutor | None = None
+        self.num_host_blocks = 0
+        self.num_disk_blocks = 0
+        self.kv_bytes_per_block = 0
+        self._k_caches: list[torch.Tensor] = []
+        self._v_caches: list[torch.Tensor] = []
 
     def load_model(self) -> None:
         from workers.loader import load_model
@@ -115,7 +125,53 @@ class ModelRunner:
         num_blocks = plan_for_runner(self).num_blocks
         self.model.allocate_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
+        if self.config.kv_offload_memory > 0:
+            self._init_kv_offload()
         return num_blocks
+
+    def _init_kv_offload(self) -> None:
+        """This rank's host pool (and disk store) for its shard of every offloaded block;
+        slot numbers are the scheduler's, the same on every rank."""
+        from workers.kv_disk import DiskKVStore
+        from workers.kv_offload import HostKVLayout, HostKVPool, KVOffloadExecutor
+
+        assert self.model is not None
+        self._k_caches = [k for k, _ in self.model.kv_caches]
+        self._v_caches = [v for _, v in self.model.kv_caches]
+        layout = HostKVLayout.from_caches(self._k_caches)
+        num_host = HostKVPool.blocks_for(self.config.kv_offload_memory, layout)
+        # pinned on CUDA, so the copies are DMA that overlaps the forward
+        pool = HostKVPool(layout, num_host, pin=self.device.type == "cuda")
+        disk = None
+        if self.config.kv_offload_disk and self.config.kv_offload_disk_size > 0:
+            num_disk = DiskKVStore.slots_for(self.config.kv_offload_disk_size,
+                                             layout.nbytes_per_block)
+            if num_disk > 0:
+                disk = DiskKVStore(self.config.kv_offload_disk, self.dist.rank, num_disk,
+                                   layout.describe(), layout.nbytes_per_block)
+                self.num_disk_blocks = num_disk
+        self.kv_offload = KVOffloadExecutor(pool, disk, self.device)
+        self.num_host_blocks = num_host
+        self.kv_bytes_per_block = layout.nbytes_per_block
+        logger.info("KV offload: %d host blocks (%s), %d disk blocks", num_host,
+                    layout.describe(), self.num_disk_blocks)
+
+    def close(self) -> None:
+        """Finish the KV offload tiers' copies and disk writes."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
+
+    def _settle_kv_loads(self) -> KVLoadResult | None:
+        """Disk -> host reads that every rank finished (or any rank failed): the ranks agree
+        on each read's state (MIN all-reduce, only in steps with reads in flight), so all of
+        them report and act on the same verdicts."""
+        assert self.kv_offload is not None
+        slots, states = self.kv_offload.load_states()
+        if not slots:
+            return None
+        agreed = tp_all_reduce_min(states, self.device)
+        return self.kv_offload.settle(slots, agreed)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the sampled tokens (every rank computes the same ones)."""
@@ -123,15 +179,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self.input_batch
         batch.apply(so)
+        offload = self.kv_offload
+        if offload is not None and so.kv_transfers is not None:
+            # before the forward (and before the early return: a step may carry only copies)
+            offload.apply(so.kv_transfers, self._k_caches, self._v_caches)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(step_id=so.step_id, rank=self.dist.rank, req_handles=b"")
+            return ModelRunnerOutput(
+                step_id=so.step_id, rank=self.dist.rank, req_handles=b"",
+                kv_load=self._settle_kv_loads() if offload is not None else None)
         inputs = batch.prepare_inputs()
         if self.graphs is not None and self.graphs.can_run(inputs):
             t1 = time.perf_counter()
+            if offload is not None:
+                offload.wait_before_forward()
             hidden = self.graphs.run(inputs)
         else:
             input_ids, positions, meta = self._to_device(inputs)
             t1 = time.perf_counter()
+            if offload is not None:
+                offload.wait_before_forward()
             hidden = self.model(input_ids, positions, meta)
         sampled = None
         lp = None
@@ -183,6 +249,7 @@ class ModelRunner:
             logprobs=pack_f32(lp) if lp is not None else b"",
             checksum=tokens_checksum(sampled) if self.config.enable_checksum else None,
             timings_us=[(t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6],
+            kv_load=self._settle_kv_loads() if offload is not None else None,
         )
 
     def _to_device(

@@ -122,6 +122,9 @@ class Worker:
                     num_blocks=self.num_blocks,
                     # the per-layer KV spec: the core builds its KV cache groups from it
                     layer_windows=cfg.windows(),
+                    num_host_blocks=self.runner.num_host_blocks,
+                    num_disk_blocks=self.runner.num_disk_blocks,
+                    kv_bytes_per_block=self.runner.kv_bytes_per_block,
                     vocab_size=cfg.vocab_size,
                     max_model_len=self.runner.max_model_len,
                     eos_token_id=cfg.eos_token_id,
@@ -250,6 +253,11 @@ def main() -> int:
             worker.fail(f"rank {rank}: {type(e).__name__}: {e}", tb)
         code = 1
     finally:
+        if worker is not None:
+            try:  # finish the KV offload tiers' copies and disk writes, stop their threads
+                worker.runner.close()
+            except Exception:
+                logger.exception("rank %d: closing the KV offload tiers failed", rank)
         if worker is not None and hasattr(worker, "push"):
             worker.sub.close(0)
             worker.push.close(0 if worker.core_gone else 1000)

@@ -6,6 +6,7 @@ import msgspec
 
 from protocol import messages as m
 from protocol.codec import pack, pack_f32
+from protocol.kv_transfer import KVLoadResult, KVTransfers, pack_tags
 
 SP = m.SamplingParams(
     max_tokens=77,
@@ -94,6 +95,14 @@ SAMPLES: list[msgspec.Struct] = [
         spec_token_ids=pack([100, 101]),
         num_running=4,
         total_num_scheduled_tokens=26,
+        kv_transfers=KVTransfers(
+            host_to_disk=pack([0, 3]),
+            disk_to_host=pack([4, 1]),
+            device_to_host=pack([9, 0]),
+            host_to_device=pack([2, 13]),
+            host_to_disk_tags=pack_tags([2**63 + 5]),
+            disk_to_host_tags=pack_tags([7]),
+        ),
     ),
     m.Shutdown(reason="bye"),
     m.HealthPing(nonce=2**40),
@@ -111,6 +120,10 @@ SAMPLES: list[msgspec.Struct] = [
         eos_token_id=None,
         protocol_version=m.PROTOCOL_VERSION,
         auth=b"\x01" * 32,
+        layer_windows=[0, 4096],
+        num_host_blocks=64,
+        num_disk_blocks=256,
+        kv_bytes_per_block=65536,
     ),
     m.ModelRunnerOutput(
         step_id=7,
@@ -121,6 +134,7 @@ SAMPLES: list[msgspec.Struct] = [
         logprobs=pack_f32([-0.5, -1.0, -2.0]),
         checksum=2**62,
         timings_us=[1.0, 2.0, 3.0],
+        kv_load=KVLoadResult(done_host_slots=pack([1]), failed_host_slots=pack([2])),
     ),
     m.WorkerError(rank=1, message="oom", traceback="Traceback ...", step_id=5),
     m.HealthPong(rank=1, nonce=3, last_step_id=9),
