@@ -98,9 +98,11 @@ class OffloadScheduling:
     def take_transfers(self) -> KVTransfers | None:
         return self.offload.take_transfers()
 
-    def complete_loads(self, result: KVLoadResult) -> None:
-        self.offload.complete_loads(unpack(result.done_host_slots),
-                                    unpack(result.failed_host_slots))
+    def complete_loads(self, result: KVLoadResult) -> list[list[int]]:
+        """Apply the workers' disk-read report; returns it unpacked (for the trace)."""
+        done, failed = unpack(result.done_host_slots), unpack(result.failed_host_slots)
+        self.offload.complete_loads(done, failed)
+        return [done, failed]
 
     def stats(self) -> dict[str, float]:
         out = self.offload.stats()

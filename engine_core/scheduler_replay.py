@@ -7,6 +7,11 @@ lengths, prefix-cache hits on generated text and n-gram drafts come out as they 
 with the recorded step records (DECISION_KEYS), the replay shows whether a scheduler reproduces
 the run; with config overrides, how a scheduling change would have treated the same arrivals.
 
+KV offload tiers: the scheduler gets the trace header's tier sizes, and each step's output
+carries the disk-read report the workers sent with it (recorded: read times are the disk's).
+With overrides the replayed steps differ from the recorded ones, so there every read in flight
+is reported done with the next step's output instead.
+
 Not reproduced exactly: sampled (not greedy) speculative decoding, where a rejected draft can be
 replaced by the same token (the replay then counts it as accepted).
 """
@@ -20,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from engine_core.kv_offload import KVOffloadManager
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_trace import (
@@ -31,6 +37,7 @@ from engine_core.scheduler_trace import (
 from protocol.codec import pack, unpack
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheGroupSpec
+from protocol.kv_transfer import KVLoadResult
 from protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 
@@ -181,6 +188,11 @@ def build_scheduler(header: dict[str, Any], overrides: dict[str, Any] | None = N
         KVCacheGroupSpec(g.get("sliding_window", 0), tuple(g.get("layer_ids", ())))
         for g in header.get("groups", ())
     ]
+    off = header.get("kv_offload")
+    offload = None
+    if off is not None and config.kv_offload_memory > 0:
+        offload = KVOffloadManager(off["num_host_blocks"], off["num_disk_blocks"],
+                                   off["bytes_per_block"])
     return Scheduler(
         config,
         header["num_blocks"],
@@ -188,7 +200,16 @@ def build_scheduler(header: dict[str, Any], overrides: dict[str, Any] | None = N
         header["max_num_batched_tokens"],
         header["eos_token_id"],
         kv_cache_groups=groups or None,
+        offload=offload,
     )
+
+
+def _loads_in_flight(sched: Scheduler) -> KVLoadResult | None:
+    """Every disk read in flight, reported done (the replay with overrides)."""
+    off = sched.kv_offload
+    if off is None or not off.offload.num_loads_in_flight:
+        return None
+    return KVLoadResult(done_host_slots=pack(sorted(off.offload._loads)))
 
 
 def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResult:
@@ -231,6 +252,12 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
             if sid is None:
                 continue
             so, out = in_flight.pop(sid)
+            if not overrides and "kv_load" in rec:
+                done, failed = rec["kv_load"]
+                out.kv_load = KVLoadResult(done_host_slots=pack(done),
+                                           failed_host_slots=pack(failed))
+            elif overrides:
+                out.kv_load = _loads_in_flight(sched)
             t0 = time.perf_counter()
             sched.update_from_output(so, out)
             step_us[sid] += (time.perf_counter() - t0) * 1e6
@@ -242,6 +269,7 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
         t0 = time.perf_counter()
         so = sched.schedule()
         out = worker.step(so, sched)
+        out.kv_load = _loads_in_flight(sched)
         t1 = time.perf_counter()
         sched.update_from_output(so, out)
         step_us.append((t1 - t0 + time.perf_counter() - t1) * 1e6)

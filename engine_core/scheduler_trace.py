@@ -14,6 +14,12 @@ planned before step k's output is applied, and arrivals fall in between).
   finish   a request ended: reason, output length and output token ids (what a replay's fake
            model must produce)
 
+With the KV offload tiers (issue 19) the header names their sizes ("kv_offload") and each step
+record carries the tiers' counts ("kv_offload": hits, copies per direction and occupancy, all
+decisions) and, when the workers reported disk reads with the step's output, the report
+("kv_load": [done host slots, failed host slots]): read times are the disk's, so a replay
+takes them from the trace to reach the same decisions.
+
 The scheduler calls in only behind ``if self.trace is not None``: off, the trace costs one
 attribute test per call.
 """
@@ -47,7 +53,12 @@ DECISION_KEYS = (
     "groups",
     "prefix_queries",
     "prefix_hits",
+    "kv_offload",
 )
+# the KV offload counters a step record carries (per step, except the occupancy)
+_OFFLOAD_DELTAS = ("host_hits", "disk_hits", "offloaded", "spilled", "dropped", "declined",
+                   "load_failures")
+_OFFLOAD_BYTES = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
 
 
 def trace_header(sched: Scheduler) -> dict[str, Any]:
@@ -75,7 +86,17 @@ def trace_header(sched: Scheduler) -> dict[str, Any]:
             }
             for spec in kvm.kv_cache_groups
         ],
+        **_offload_header(sched),
     }
+
+
+def _offload_header(sched: Scheduler) -> dict[str, Any]:
+    if sched.kv_offload is None:
+        return {}
+    off = sched.kv_offload.offload
+    return {"kv_offload": {"num_host_blocks": off.host.num_slots,
+                           "num_disk_blocks": off.disk.num_slots,
+                           "bytes_per_block": off.bytes_per_block}}
 
 
 class SchedulerTrace:
@@ -96,6 +117,7 @@ class SchedulerTrace:
         self._preempted: set[str] = set()  # preempted and waiting to resume
         self._prefix = (0, 0)  # prefix-cache queries and hits at the last step
         self._freed: list[int] = []  # blocks freed by windows per group at the last step
+        self._offload_last: dict[str, int] = {}  # KV offload counters at the last step
         self._last_flush = time.monotonic()
         self._write(header)
 
@@ -234,6 +256,24 @@ class SchedulerTrace:
             "prefix_queries": queries - last_queries,  # tokens looked up this step
             "prefix_hits": hits - last_hits,  # of those, tokens found
         }
+        if sched.kv_offload is not None:
+            self._pending[step_id]["kv_offload"] = self._offload_record(sched)
+
+    def _offload_record(self, sched: Scheduler) -> dict[str, int]:
+        """This step's tier hits and copies (blocks), and the tiers' occupancy after it."""
+        off = sched.kv_offload
+        assert off is not None
+        c = off.offload.counters
+        now = {k: c[k] for k in _OFFLOAD_DELTAS}
+        for k in _OFFLOAD_BYTES:
+            now[k] = c.get(f"{k}_blocks", 0)
+        now["restored_tokens"] = off.num_restored_tokens
+        last = self._offload_last
+        rec = {k: v - last.get(k, 0) for k, v in now.items()}
+        self._offload_last = now
+        rec["host_blocks"] = len(off.offload.host)
+        rec["disk_blocks"] = len(off.offload.disk)
+        return rec
 
     def set_wall_time(self, step_id: int, wall_s: float) -> None:
         """The engine core's measure of the step: schedule start to the model output."""
@@ -241,11 +281,14 @@ class SchedulerTrace:
         if rec is not None:
             rec["wall_s"] = wall_s
 
-    def on_update(self, step_id: int) -> None:
-        """The step's model output has been applied (its finishes are already written)."""
+    def on_update(self, step_id: int, kv_load: list[list[int]] | None = None) -> None:
+        """The step's model output has been applied (its finishes are already written);
+        ``kv_load``: the disk reads the workers reported with it (done, failed host slots)."""
         rec = self._pending.pop(step_id, None)
         if rec is not None:
             rec["done_seq"] = self._next_seq()
+            if kv_load is not None:
+                rec["kv_load"] = kv_load
             self._write(rec)
         now = time.monotonic()
         if now - self._last_flush >= FLUSH_INTERVAL_S:

@@ -43,9 +43,10 @@ class SchedulerUpdate:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
+        kv_load = None
         if model_output.kv_load is not None and self.kv_offload is not None:
             # disk -> host reads every rank finished (or one failed): restorable (or dropped)
-            self.kv_offload.complete_loads(model_output.kv_load)
+            kv_load = self.kv_offload.complete_loads(model_output.kv_load)
         handles = unpack(model_output.req_handles)
         tokens = unpack(model_output.sampled_token_ids)
         spec = self._spec_by_step.pop(scheduler_output.step_id, None)
@@ -62,7 +63,7 @@ class SchedulerUpdate:
             if self._update_one_token_each(handles, tokens, outputs):
                 self.running = [r for r in self.running if r.status == RUNNING]
             if self.trace is not None:
-                self.trace.on_update(scheduler_output.step_id)
+                self.trace.on_update(scheduler_output.step_id, kv_load)
             return outputs
         pos = 0
         for k, handle in enumerate(handles):
@@ -97,7 +98,7 @@ class SchedulerUpdate:
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         if self.trace is not None:
-            self.trace.on_update(scheduler_output.step_id)
+            self.trace.on_update(scheduler_output.step_id, kv_load)
         return outputs
 
     def _append_tokens(

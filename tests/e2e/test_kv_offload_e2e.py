@@ -6,7 +6,9 @@ A multi-turn chat: every conversation's next turn is its previous prompt, the re
 and a few new tokens, so the turns' prefixes were computed before, then pushed out of the
 small device pool by the other conversations, and are restored instead of recomputed. The
 turns of all conversations run as one batch, so the pool also preempts under pressure (the
-victims' blocks are offloaded and restored on resume). The stats prove the path ran.
+victims' blocks are offloaded and restored on resume). The stats prove the path ran, and
+the scheduler trace, with the tiers' counts and the workers' disk-read reports, replays through
+the scheduler alone to the same decisions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import random
 import pytest
 import torch
 
+from engine_core.scheduler_replay import load_trace, replay
 from launch import LLM, SamplingParams
 from tests.helpers.procs import wait_no_descendants
 from tests.helpers.tiny_llama import make_tiny_hf_llama
@@ -66,6 +69,9 @@ CASES = {
     # a host tier of 10 blocks: most of the workload spills to disk and is read back from it
     "tp1-host-disk": dict(BASE, tensor_parallel_size=1, kv_offload_memory=10 * BLOCK_BYTES,
                           kv_offload_disk_size=256 * (BLOCK_BYTES + 4096)),
+    # the admission gate: admitted requests never preempt each other, restores still count
+    "tp1-host-gate": dict(BASE, tensor_parallel_size=1, kv_offload_memory=128 * BLOCK_BYTES,
+                          scheduler_reserve_full_isl=True),
 }
 
 
@@ -75,6 +81,8 @@ def test_offloaded_prefixes_come_back(conversations, case: str, tmp_path) -> Non
     opts = dict(CASES[case])
     if "kv_offload_disk_size" in opts:
         opts["kv_offload_disk"] = str(tmp_path / "kv")
+    trace = tmp_path / "trace.jsonl"
+    opts["scheduler_trace"] = str(trace)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outs = []
     try:
@@ -93,7 +101,17 @@ def test_offloaded_prefixes_come_back(conversations, case: str, tmp_path) -> Non
     assert stats["kv_offload_host_hits"] > 0, stats
     assert stats["kv_offload_restored_tokens"] > 0, stats
     assert stats["kv_offload_bytes_host_to_device"] > 0, stats
-    assert stats["num_preemptions"] > 0 and stats["kv_offload_preempt_offloaded"] > 0, stats
+    if "gate" in case:
+        assert stats["num_preemptions"] == 0, stats
+    else:
+        assert stats["num_preemptions"] > 0 and stats["kv_offload_preempt_offloaded"] > 0, stats
+    rec = load_trace(str(trace))
+    steps = rec.steps.values()
+    assert sum(r["kv_offload"]["host_hits"] for r in steps) == stats["kv_offload_host_hits"]
+    res = replay(rec)
+    assert res.mismatches == []
+    assert res.stats["kv_offload_host_hits"] == stats["kv_offload_host_hits"]
     if "disk" in case:
+        assert any("kv_load" in r for r in steps)
         assert stats["kv_offload_spilled"] > 0, stats
         assert stats["kv_offload_disk_hits"] > 0, stats
