@@ -43,6 +43,7 @@ class OffloadScheduling:
         self.num_prefetch_waits = 0  # (request, step) pairs that waited for disk reads
         self.num_preempt_offloaded = 0  # blocks copied out of preempted requests
         self.plan_seconds = 0.0  # time the scheduler spent in tier accounting
+        self.copy_seconds = 0.0  # time rank 0 spent in the tiers' copies (workers' report)
 
     def blocks_to_restore(self, req: Request, num_hit_tokens: int) -> int | None:
         """How many blocks after the device hit of ``num_hit_tokens`` to restore from the
@@ -111,6 +112,7 @@ class OffloadScheduling:
         out["kv_offload_prefetch_waits"] = self.num_prefetch_waits
         out["kv_offload_preempt_offloaded"] = self.num_preempt_offloaded
         out["kv_offload_plan_s"] = self.plan_seconds
+        out["kv_offload_copy_s"] = self.copy_seconds
         return out
 
 

@@ -44,6 +44,8 @@ class SchedulerUpdate:
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         kv_load = None
+        if model_output.kv_copy_us and self.kv_offload is not None:
+            self.kv_offload.copy_seconds += model_output.kv_copy_us * 1e-6
         if model_output.kv_load is not None and self.kv_offload is not None:
             # disk -> host reads every rank finished (or one failed): restorable (or dropped)
             kv_load = self.kv_offload.complete_loads(model_output.kv_load)

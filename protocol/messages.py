@@ -274,6 +274,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
     timings_us: list[float] = []
     # disk -> host reads of the KV offload tiers settled this step (agreed by every rank)
     kv_load: KVLoadResult | None = None
+    # this rank's time in the tiers' copies this step (on CUDA: issuing them), microseconds
+    kv_copy_us: float = 0.0
 
 
 class WorkerError(msgspec.Struct, array_like=True, tag=32, kw_only=True):

@@ -180,13 +180,17 @@ class ModelRunner:
         batch = self.input_batch
         batch.apply(so)
         offload = self.kv_offload
+        copy_us = 0.0
         if offload is not None and so.kv_transfers is not None:
             # before the forward (and before the early return: a step may carry only copies)
+            spent = offload.apply_seconds
             offload.apply(so.kv_transfers, self._k_caches, self._v_caches)
+            copy_us = (offload.apply_seconds - spent) * 1e6
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(
                 step_id=so.step_id, rank=self.dist.rank, req_handles=b"",
-                kv_load=self._settle_kv_loads() if offload is not None else None)
+                kv_load=self._settle_kv_loads() if offload is not None else None,
+                kv_copy_us=copy_us)
         inputs = batch.prepare_inputs()
         if self.graphs is not None and self.graphs.can_run(inputs):
             t1 = time.perf_counter()
@@ -250,6 +254,7 @@ class ModelRunner:
             checksum=tokens_checksum(sampled) if self.config.enable_checksum else None,
             timings_us=[(t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6],
             kv_load=self._settle_kv_loads() if offload is not None else None,
+            kv_copy_us=copy_us,
         )
 
     def _to_device(

@@ -135,6 +135,7 @@ SAMPLES: list[msgspec.Struct] = [
         checksum=2**62,
         timings_us=[1.0, 2.0, 3.0],
         kv_load=KVLoadResult(done_host_slots=pack([1]), failed_host_slots=pack([2])),
+        kv_copy_us=12.5,
     ),
     m.WorkerError(rank=1, message="oom", traceback="Traceback ...", step_id=5),
     m.HealthPong(rank=1, nonce=3, last_step_id=9),
