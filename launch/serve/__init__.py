@@ -8,6 +8,8 @@ launcher's process and drives the engine through launch.serve.engine.AsyncEngine
 
 from __future__ import annotations
 
+import importlib.util
+
 SERVE_EXTRA_HINT = (
     "the OpenAI-compatible server needs the 'serve' extra: "
     "pip install -e '.[serve]' (FastAPI, uvicorn, prometheus_client)"
@@ -16,11 +18,7 @@ SERVE_EXTRA_HINT = (
 
 def require_web_stack() -> None:
     """Raise an ImportError naming the extra when any part of the web stack is missing."""
-    missing = []
-    for module in ("fastapi", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"{SERVE_EXTRA_HINT}; missing: {', '.join(missing)}")

@@ -112,11 +112,13 @@ def test_duplicate_request_id_is_refused_and_first_completes(llm: LLM) -> None:
     client = llm.client
     assert client is not None
     s1 = _sink()
-    client.add_request("dup", [1, 2, 3], GOOD, s1)
+    # long enough that it cannot finish before the second call, even on a loaded machine
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    client.add_request("dup", [1, 2, 3], long, s1)
     with pytest.raises(ValueError, match="already in flight"):
         client.add_request("dup", [4, 5], GOOD, _sink())
     reason, tokens, _ = _finish(s1)
-    assert reason == "length" and len(tokens) == 4
+    assert reason == "length" and len(tokens) == 64
 
 
 def test_abort_unknown_waiting_running_finished_then_resubmit(llm: LLM) -> None:
