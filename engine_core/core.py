@@ -260,10 +260,16 @@ class EngineCore:
         if so.total_num_scheduled_tokens == 0 and not outputs and not in_flight:
             # Nothing could run (e.g. KV full, nothing to preempt): wait for input, don't spin.
             # A request waiting for its prefix's disk reads only needs the workers' next
-            # report: a short wait (the reads take milliseconds).
+            # report: a short wait (the reads take milliseconds); none when this step's
+            # report settled reads, since the next step can admit it now.
             offload = self.scheduler.kv_offload
-            waiting_for_loads = offload is not None and offload.waiting_for_loads
-            self._poll_frontend(2 if waiting_for_loads else int(PING_INTERVAL_S * 1000))
+            if offload is not None and out.kv_load is not None:
+                timeout_ms = 0
+            elif offload is not None and offload.waiting_for_loads:
+                timeout_ms = 2
+            else:
+                timeout_ms = int(PING_INTERVAL_S * 1000)
+            self._poll_frontend(timeout_ms)
 
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # steps a request waits at the head of the queue for disk -> host reads of its prefix before
 # it is admitted with the blocks that are ready (a step count, not a time: the trace's replay
 # must take the same decisions)
-MAX_PREFETCH_WAIT_STEPS = 8
+MAX_PREFETCH_WAIT_STEPS = 32
 
 
 class OffloadScheduling:
