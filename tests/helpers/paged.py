@@ -78,3 +78,27 @@ def greedy_generate(model, prompt: list[int], max_new: int, block_size: int, fir
         seq.tokens.append(tok)
         step = 1
     return new_tokens
+
+
+# (total tokens, already computed): a fresh prefill, a chunk continuing cached context, a
+# decode, a long decode, a request verifying 4 drafts, a prefix-cache hit (decode after 8
+# cached), a chunk of 24 after 16 cached.
+MIXED_STEP = [(37, 0), (50, 21), (19, 18), (70, 69), (33, 28), (9, 8), (40, 16)]
+
+
+def mixed_step(block_size: int, layout: list[tuple[int, int]] = MIXED_STEP, seed: int | None = None,
+               device: torch.device | str = "cpu"):
+    """Metadata of one step mixing prefills, chunks, decodes, drafts and a prefix hit, with
+    scattered, descending block ids; returns it and the number of blocks the caches need."""
+    g = torch.Generator().manual_seed(block_size if seed is None else seed)
+    seqs, new = [], []
+    next_block = 1
+    for total, computed in layout:
+        n_blocks = -(-total // block_size)
+        blocks = list(range(next_block, next_block + n_blocks))[::-1]
+        next_block += n_blocks
+        tokens = torch.randint(0, 100, (total,), generator=g).tolist()
+        seqs.append(Seq(tokens, blocks, computed))
+        new.append(total - computed)
+    _, _, meta = build_step(seqs, new, block_size, device)
+    return meta, next_block

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.paged import Seq, build_step
+from tests.helpers.paged import Seq, mixed_step
 from workers import attention, cpu_ops
 from workers.layers import RMSNorm, RotaryEmbedding
 
@@ -22,18 +22,7 @@ ATOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 def _mixed_step(block_size: int):
     """One step holding a fresh prefill, a chunk continuing cached context, decodes, a request
     verifying 4 drafts and a prefix-cache hit, with scattered block ids."""
-    g = torch.Generator().manual_seed(block_size)
-    seqs, new = [], []
-    next_block = 1
-    for total, computed in [(37, 0), (50, 21), (19, 18), (70, 69), (33, 28), (9, 8), (40, 16)]:
-        n_blocks = -(-total // block_size)
-        blocks = list(range(next_block, next_block + n_blocks))[::-1]
-        next_block += n_blocks
-        tokens = torch.randint(0, 100, (total,), generator=g).tolist()
-        seqs.append(Seq(tokens, blocks, computed))
-        new.append(total - computed)
-    _, _, meta = build_step(seqs, new, block_size)
-    return meta, next_block
+    return mixed_step(block_size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
