@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import Request
@@ -10,7 +9,7 @@ from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
-from launch.serve.generation import Delta, Generation, pad_logprobs, token_text
+from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dicts
 
@@ -58,25 +57,8 @@ async def create_chat_completion(
         max_tokens = max(1, ctx.engine.max_model_len - len(ids))
     want_lp = req.logprobs
     top = req.top_logprobs or 0
-    gen = Generation(
-        ctx.engine,
-        ctx.metrics,
-        ctx.new_id("chatcmpl", req),
-        [ids],
-        ctx.sampling_params(req, max_tokens, want_lp),
-        req.n,
-        req.stop_list(),
-        req.include_stop_str_in_output,
-        req.skip_special_tokens,
-        req.priority,
-    )
-    gen.validate()
-    head = {
-        "id": gen.base_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": ctx.model_name,
-    }
+    gen = ctx.start_generation("chatcmpl", req, [ids], max_tokens, want_lp)
+    head = ctx.chunk_head(gen, "chat.completion.chunk")
     tok = ctx.tokenizer
     started: set[int] = set()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import Request
@@ -10,7 +9,7 @@ from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
-from launch.serve.generation import Delta, Generation, pad_logprobs, token_text
+from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import CompletionRequest
 
@@ -52,25 +51,8 @@ async def create_completion(
     prompts = completion_prompts(ctx, req)
     want_lp = req.logprobs is not None
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    gen = Generation(
-        ctx.engine,
-        ctx.metrics,
-        ctx.new_id("cmpl", req),
-        prompts,
-        ctx.sampling_params(req, max_tokens, want_lp),
-        req.n,
-        req.stop_list(),
-        req.include_stop_str_in_output,
-        req.skip_special_tokens,
-        req.priority,
-    )
-    gen.validate()
-    head = {
-        "id": gen.base_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": ctx.model_name,
-    }
+    gen = ctx.start_generation("cmpl", req, prompts, max_tokens, want_lp)
+    head = ctx.chunk_head(gen, "text_completion")
     tok = ctx.tokenizer
     text_offsets: dict[int, int] = {}
 

@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from launch.serve.engine import AsyncEngine
 from launch.serve.errors import APIError, bad_request
+from launch.serve.generation import Generation
 from launch.serve.metrics import ServerMetrics
 from launch.serve.schemas import SamplingFields
 from protocol.messages import SamplingParams
@@ -88,6 +89,30 @@ class ServerContext:
 
     def new_id(self, prefix: str, req: SamplingFields) -> str:
         return req.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+    def start_generation(self, id_prefix: str, req: SamplingFields, prompts: list[list[int]],
+                         max_tokens: int, logprobs: bool) -> Generation:
+        """A validated Generation of `prompts` with the request's sampling fields (shared by
+        /v1/completions and /v1/chat/completions)."""
+        gen = Generation(
+            self.engine,
+            self.metrics,
+            self.new_id(id_prefix, req),
+            prompts,
+            self.sampling_params(req, max_tokens, logprobs),
+            req.n,
+            req.stop_list(),
+            req.include_stop_str_in_output,
+            req.skip_special_tokens,
+            req.priority,
+        )
+        gen.validate()
+        return gen
+
+    def chunk_head(self, gen: Generation, obj: str) -> dict[str, Any]:
+        """The fields every response object and stream chunk of `gen` starts with."""
+        return {"id": gen.base_id, "object": obj, "created": int(time.time()),
+                "model": self.model_name}
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
