@@ -80,6 +80,18 @@ class BlockPool:
                 added += 1
         self.num_cached_blocks[group_id] += added
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = 0) -> None:
+        """Forget the hashes of blocks whose KV will never be written (registered when their
+        tokens were scheduled, then the step dropped the request), so no prefix lookup can
+        find them."""
+        table = self.cached_block_hash_to_block
+        for block in blocks:
+            key = block.block_hash
+            if key is not None and table.get(key) is block:
+                del table[key]
+                self.num_cached_blocks[group_id] -= 1
+            block.block_hash = None
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take blocks from the LRU end; a reused cache candidate loses its hash entry."""
         blocks = self.free_block_queue.popleft_n(num_blocks)

@@ -249,6 +249,22 @@ class KVCacheManager:
                 total += need
         return total
 
+    def uncache_unwritten(self, request: Request, num_written_tokens: int) -> None:
+        """Before a request that was already scheduled this step is preempted: its blocks
+        past the first ``num_written_tokens`` tokens were registered in the prefix cache when
+        the step allocated them, but the step no longer computes them."""
+        rid = request.request_id
+        first = num_written_tokens // self.block_size
+        for m in self.managers:
+            blocks = m.req_to_blocks.get(rid)
+            num_cached = m.num_cached_block.get(rid, 0)
+            if blocks is None or num_cached <= first:
+                continue
+            # blocks past `first` were allocated for this request (hits are written blocks)
+            self.block_pool.uncache_blocks(
+                (b for b in blocks[first:num_cached] if not b.is_null), m.group_id)
+            m.num_cached_block[rid] = first
+
     def free(self, request: Request) -> None:
         """Release a request's blocks tail first, so its shared prefix is evicted last."""
         rid = request.request_id

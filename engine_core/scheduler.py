@@ -337,8 +337,11 @@ class Scheduler(SchedulerUpdate):
         KV offload tiers, the computed full blocks (not the ``given_back`` tokens this step
         had scheduled) go to the host tier first, so the restart restores them."""
         del self.running[index]
+        written = victim.num_computed_tokens - given_back
+        if given_back:  # blocks registered for the tokens given back will hold no KV
+            self.kv_cache_manager.uncache_unwritten(victim, written)
         if self.kv_offload is not None:
-            self.kv_offload.on_preempt(victim, victim.num_computed_tokens - given_back)
+            self.kv_offload.on_preempt(victim, written)
         self.kv_cache_manager.free(victim)
         if self.reserve_full_isl:
             self._full_blocks -= self.kv_cache_manager.max_blocks(_full_len(victim))

@@ -102,3 +102,35 @@ def test_abort_waiting_running_finished_and_unknown() -> None:
     w.step(so)
     s.check_invariants()
     assert s.kv_cache_manager.num_free_blocks == 19
+
+
+def test_preempting_an_already_scheduled_request_uncaches_its_unwritten_blocks() -> None:
+    """PRIORITY: low is scheduled first in a step with a chunk that fills two new blocks,
+    which the prefix cache registers; high then needs a block and low, already scheduled, is
+    preempted, so the workers never write those two blocks. Their hashes must go, or low's
+    resumption (and anyone sharing its prefix) would hit blocks holding no KV; the fake
+    worker checks every key read holds the right prefix."""
+    s = make_scheduler(num_blocks=8, max_num_batched_tokens=16, block_size=4,
+                       scheduling_policy="priority", long_prefill_token_threshold=8)
+    w = FakeWorker(4)
+    low = make_request("low", list(range(10, 34)), max_tokens=3, priority=5, arrival=0.0)
+    s.add_request(low)
+    outs: dict[str, list] = {}
+
+    def step() -> None:
+        so = s.schedule()
+        for o in s.update_from_output(so, w.step(so)) + s.take_outputs():
+            outs.setdefault(o.request_id, []).append(o)
+        s.check_invariants()
+
+    step()  # low: tokens 0-7 (two blocks)
+    s.add_request(make_request("high", [1, 2, 3, 4], max_tokens=3, priority=0, arrival=1.0))
+    step()  # low: tokens 8-15; high admitted (one block); the pool is 2 blocks from full
+    step()  # low takes the last two blocks for 16-23, high needs one: low is preempted
+    assert low.num_preemptions == 1
+    for _ in range(40):
+        if not s.has_unfinished_requests():
+            break
+        step()
+    assert not s.has_unfinished_requests()
+    assert len(tokens_of(outs["low"])) == 3 and len(tokens_of(outs["high"])) == 3
