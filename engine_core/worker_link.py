@@ -1,0 +1,119 @@
+"""The engine core's side of the worker link: reading and decoding what the ranks send,
+health pings, and naming a rank that died, hung or failed.
+
+EngineCore inherits these; they need only the sockets and bookkeeping annotated below.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import zmq
+
+from protocol.codec import Decoder, Encoder, ProtocolError
+from protocol.config import EngineConfig
+from protocol.liveness import process_running
+from protocol.messages import HealthPing, WorkerError, WorkerMessage
+from protocol.transport import recv_frame
+
+PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
+# How long a worker error waits to see whether a peer rank died (the usual cause of a broken
+# collective): a SIGKILLed rank closes its sockets a moment before it becomes a zombie.
+PEER_DEATH_GRACE_S = 0.5
+# Substrings of gloo/NCCL errors that mean the other end of a collective went away.
+BROKEN_COLLECTIVE_MARKERS = ("by peer", "Connection reset", "Connection closed", "remote process")
+
+
+class EngineFatal(RuntimeError):
+    """The engine cannot go on (a rank died, hung, raised or disagreed)."""
+
+
+class WorkerLink:
+    config: EngineConfig
+    world_size: int
+    results: zmq.Socket[bytes]
+    pub: zmq.Socket[bytes]
+    encoder: Encoder
+    worker_dec: Decoder[WorkerMessage]
+    last_seen: list[float]
+    last_ping: float
+    ping_nonce: int
+    parent_pid: int
+    local_pids: dict[int, int]  # rank -> pid, for ranks on this host
+
+    def _recv_worker(self, deadline: float) -> msgspec.Struct | None:
+        """One worker message, or None after 200 ms without one."""
+        if time.monotonic() > deadline:
+            raise EngineFatal("timed out waiting for the workers to start")
+        if os.getppid() != self.parent_pid:
+            raise EngineFatal("the frontend process died")
+        frame = recv_frame(self.results, 200)
+        return None if frame is None else self._decode_worker(frame)
+
+    def _decode_worker(self, frame: bytes) -> msgspec.Struct:
+        try:
+            msg = self.worker_dec.decode(frame)
+        except ProtocolError as e:
+            raise EngineFatal(f"undecodable message from a worker: {e}") from None
+        rank = getattr(msg, "rank", None)
+        if isinstance(rank, int) and 0 <= rank < self.world_size:
+            self.last_seen[rank] = time.monotonic()
+        return msg
+
+    def _drain_results(self) -> None:
+        """Read what the workers sent while no step was in flight (health pongs) so that
+        last_seen stays fresh: without it an idle engine declared its ranks hung after
+        worker_timeout_s. A rank's error report ends the engine as it does during a step."""
+        while (frame := recv_frame(self.results, 0)) is not None:
+            msg = self._decode_worker(frame)
+            if isinstance(msg, WorkerError):
+                raise EngineFatal(self._describe_error(msg))
+
+    def _maybe_ping(self) -> None:
+        now = time.monotonic()
+        if now - self.last_ping >= PING_INTERVAL_S:
+            self.last_ping = now
+            self.ping_nonce += 1
+            self.pub.send(self.encoder.encode(HealthPing(self.ping_nonce)))
+
+    def _check_alive(self) -> None:
+        if os.getppid() != self.parent_pid:
+            raise EngineFatal("the frontend process died")
+        now = time.monotonic()
+        silent = [r for r, t in enumerate(self.last_seen) if now - t > self.config.worker_timeout_s]
+        if silent:
+            # Name every silent rank: under TP one hung rank stalls the others in a collective,
+            # so "rank 0" alone would point at the wrong process.
+            worst = max(now - self.last_seen[r] for r in silent)
+            raise EngineFatal(
+                f"rank {', '.join(map(str, silent))} has not responded for {worst:.1f} s "
+                f"(worker_timeout_s={self.config.worker_timeout_s}); a rank hung in a "
+                "collective stalls its peers too"
+            )
+
+    def _describe_error(self, msg: WorkerError) -> str:
+        text = f"worker rank {msg.rank} failed: {msg.message}"
+        if msg.traceback:
+            text += "\n" + msg.traceback
+        # A rank killed mid-collective shows up first as its peer's "connection closed" error;
+        # name the rank that died, since that is the root cause.
+        broken = any(m in msg.message for m in BROKEN_COLLECTIVE_MARKERS)
+        gone = self._gone_peers(msg.rank) if broken else ""
+        if gone:
+            text = f"{gone}; {text}"
+        return text
+
+    def _gone_peers(self, reporter: int) -> str:
+        """'worker rank R (pid P) died' for local ranks that are gone, polled briefly."""
+        deadline = time.monotonic() + PEER_DEATH_GRACE_S
+        while True:
+            dead = [
+                f"worker rank {r} (pid {pid}) died"
+                for r, pid in sorted(self.local_pids.items())
+                if r != reporter and not process_running(pid)
+            ]
+            if dead or time.monotonic() >= deadline:
+                return ", ".join(dead)
+            time.sleep(0.02)
