@@ -11,7 +11,7 @@ import torch
 
 from launch import LLM, SamplingParams
 from tests.helpers.procs import wait_no_descendants
-from tests.helpers.tiny_llama import make_tiny_hf_llama
+from tests.helpers.tiny_llama import hf_greedy_refs, make_tiny_hf_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,18 +29,8 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_case(tmp_path_factory: pytest.TempPathFactory):
-    import transformers
-
     path = make_tiny_hf_llama(str(tmp_path_factory.mktemp("cuda-llama")))
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    refs = []
-    with torch.no_grad():
-        for p in _prompts():
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
-                                 max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-            refs.append(out[0, len(p) :].tolist())
-    return path, refs
+    return path, hf_greedy_refs(path, _prompts(), MAX_NEW)
 
 
 CASES = {

@@ -63,3 +63,19 @@ def hf_greedy(path: str, token_ids: list[int], max_new: int) -> list[int]:
         out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new, do_sample=False,
                              eos_token_id=None, pad_token_id=0, min_new_tokens=max_new)
     return out[0, len(token_ids) :].tolist()
+
+
+def hf_greedy_refs(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy generate (no eos stop) for each prompt, one model load; asserts
+    the references depend on the context, so equality with them means something."""
+    model = hf_model(path)
+    model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            mask = torch.ones(1, len(p), dtype=torch.long)
+            out = model.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+            refs.append(out[0, len(p) :].tolist())
+    assert len({tuple(r) for r in refs}) > 3, "the random model ignores its context"
+    return refs
