@@ -192,16 +192,14 @@ class ModelRunner:
                 kv_load=self._settle_kv_loads() if offload is not None else None,
                 kv_copy_us=copy_us)
         inputs = batch.prepare_inputs()
+        if offload is not None:
+            offload.wait_before_forward()  # this step's tier copies land before the forward
         if self.graphs is not None and self.graphs.can_run(inputs):
             t1 = time.perf_counter()
-            if offload is not None:
-                offload.wait_before_forward()
             hidden = self.graphs.run(inputs)
         else:
             input_ids, positions, meta = self._to_device(inputs)
             t1 = time.perf_counter()
-            if offload is not None:
-                offload.wait_before_forward()
             hidden = self.model(input_ids, positions, meta)
         sampled = None
         lp = None
