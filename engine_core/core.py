@@ -22,9 +22,9 @@ from collections import deque
 import msgspec
 import zmq
 
+from engine_core.kv_offload.scheduling import make_offload_manager
 from engine_core.request import Request, RequestStatus
-from engine_core.scheduler import Scheduler
-from engine_core.scheduler_offload import make_offload_manager
+from engine_core.sched.scheduler import Scheduler
 from engine_core.step_timeline import StepTimeline
 from engine_core.validation import validate_prompt, validate_sampling
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink

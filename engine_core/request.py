@@ -128,7 +128,7 @@ class Request:
         # num_tokens at which the request is length-capped; the scheduler lowers it to
         # max_model_len, so one compare per sampled token covers both limits
         self.length_limit = self.num_prompt_tokens + self.max_tokens
-        # the n-gram proposer's incremental index (engine_core.ngram_proposer), made on demand
+        # the n-gram proposer's incremental index (engine_core/spec_decode/), made on demand
         self.ngram_index: Any = None
         self._set_stop_ids()
 

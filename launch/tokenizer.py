@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from launch.detokenizer import IncrementalDetokenizer
-from workers.model_paths import DUMMY_PREFIX, resolve_model
+from workers.model.paths import DUMMY_PREFIX, resolve_model
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
 

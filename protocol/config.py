@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 # The KV budget per rank on CPU when kv_cache_memory is not given (on CUDA it is sized from the
-# device's memory, see workers/memory_profile.py).
+# device's memory, see workers/runner/memory_profile.py).
 CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
@@ -61,7 +61,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # (vLLM's --scheduler-reserve-full-isl), so admitted requests never preempt each other
     scheduler_reserve_full_isl: bool = False
     # write one JSON line per scheduler step (and per arrival / abort / finish) to this path
-    # (engine_core/scheduler_trace.py); None = off
+    # (engine_core/sched/trace.py); None = off
     scheduler_trace: str | None = None
     enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
     worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung

@@ -42,7 +42,7 @@ sys.path.insert(
 )
 
 from engine_core.request import Request  # noqa: E402
-from engine_core.scheduler import Scheduler  # noqa: E402
+from engine_core.sched.scheduler import Scheduler  # noqa: E402
 from protocol.codec import Encoder, pack  # noqa: E402
 from protocol.config import EngineConfig  # noqa: E402
 from protocol.messages import ModelRunnerOutput, SamplingParams  # noqa: E402
@@ -291,7 +291,7 @@ def kv_blocks_at(args: argparse.Namespace) -> dict[str, object]:
 
 
 def run_replay(args: argparse.Namespace) -> dict[str, object]:
-    from engine_core.scheduler_replay import load_trace, replay
+    from engine_core.sched.replay import load_trace, replay
 
     overrides: dict[str, object] = {}
     for item in args.replay_set:

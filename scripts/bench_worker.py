@@ -28,7 +28,7 @@ from protocol.messages import (  # noqa: E402
     SamplingParams,
     SchedulerOutput,
 )
-from workers.input_batch import InputBatch  # noqa: E402
+from workers.runner.input_batch import InputBatch  # noqa: E402
 
 
 def make_plan(num_reqs: int, context: int, bs: int, steps: int) -> list[SchedulerOutput]:

@@ -30,7 +30,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_core.request import Request  # noqa: E402
-from engine_core.scheduler import Scheduler  # noqa: E402
+from engine_core.sched.scheduler import Scheduler  # noqa: E402
 from protocol.codec import Encoder, broadcast_decoder, pack  # noqa: E402
 from protocol.config import EngineConfig  # noqa: E402
 from protocol.messages import (  # noqa: E402

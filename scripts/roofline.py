@@ -39,7 +39,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
-        """From a workers.model_config.ModelConfig (or anything with its field names)."""
+        """From a workers.model.config.ModelConfig (or anything with its field names)."""
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                    cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
 
@@ -183,7 +183,7 @@ def peaks(args: argparse.Namespace, device: str) -> tuple[float, float, str]:
 def roofline_report(args: argparse.Namespace, device: str, prompt_lens: Sequence[int],
                     output_lens: Sequence[int], max_batch: int, measured_s: float) -> dict:
     """The roofline keys of a benchmark's JSON for this workload and its measured time."""
-    from workers.loader import load_model_config
+    from workers.model.loader import load_model_config
 
     shape = ModelShape.from_config(load_model_config(args.model))
     flops, bw, source = peaks(args, device)

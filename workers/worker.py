@@ -87,8 +87,8 @@ def set_torch_threads(local_world_size: int) -> None:
 
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
-        from workers.distributed import init_distributed
-        from workers.model_runner import ModelRunner
+        from workers.parallel.distributed import init_distributed
+        from workers.runner.model_runner import ModelRunner
 
         self.config = config
         self.dist = init_distributed(config.device, dtype=config.dtype)

@@ -1,8 +1,8 @@
 """Tiered KV cache accounting (issue 19): host memory and disk tiers behind the device pool.
 
 The scheduler side owns every decision (which block goes to which slot, what is evicted) and
-names the copies; the workers execute them (workers/kv_offload.py). Wire form of the copies:
-protocol/kv_transfer.py.
+names the copies; the workers execute them (workers/kv_offload/host_pool.py). Wire form of the
+copies: protocol/kv_transfer.py.
 """
 
 from engine_core.kv_offload.manager import (

@@ -81,7 +81,7 @@ def test_speculative_sampling_is_reproducible_and_rank_consistent() -> None:
 
 def test_smollm2_answers_paris_with_identical_tokens_at_tp1_and_tp2() -> None:
     pytest.importorskip("gguf")
-    from workers.model_paths import smollm2_path
+    from workers.model.paths import smollm2_path
 
     try:
         smollm2_path()

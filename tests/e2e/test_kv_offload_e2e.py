@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from engine_core.scheduler_replay import load_trace, replay
+from engine_core.sched.replay import load_trace, replay
 from launch import LLM, SamplingParams
 from tests.helpers.procs import wait_no_descendants
 from tests.helpers.tiny_llama import make_tiny_hf_llama

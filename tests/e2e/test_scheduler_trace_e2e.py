@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine_core.scheduler_replay import load_trace, replay
+from engine_core.sched.replay import load_trace, replay
 from launch.llm import LLM
 from protocol.messages import SamplingParams
 from tests.helpers.procs import wait_no_descendants

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.sched.scheduler import Scheduler
 from protocol.codec import Decoder, Encoder, pack, unpack
 from protocol.config import EngineConfig
 from protocol.messages import ModelRunnerOutput, RequestOutput, SamplingParams, SchedulerOutput

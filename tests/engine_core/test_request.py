@@ -1,4 +1,4 @@
-from engine_core.kv_cache_hashing import (
+from engine_core.kv_cache.hashing import (
     BlockHasher,
     fast_block_hash,
     hash_request_tokens,

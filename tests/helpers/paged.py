@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.attention import AttentionMetadata
+from workers.attention.reference import AttentionMetadata
 
 
 @dataclass

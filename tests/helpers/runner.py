@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from protocol.config import EngineConfig
-from workers.distributed import DistEnv
-from workers.model_runner import ModelRunner
+from workers.parallel.distributed import DistEnv
+from workers.runner.model_runner import ModelRunner
 
 BS = 4  # block size of the runners below
 NUM_BLOCKS = 200

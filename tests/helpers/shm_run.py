@@ -12,8 +12,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from workers import distributed  # noqa: E402
-from workers.shm_comm import SLOT_BYTES, PeerGone  # noqa: E402
+from workers.parallel import distributed  # noqa: E402
+from workers.parallel.shm_comm import SLOT_BYTES, PeerGone  # noqa: E402
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from tests.helpers.paged import Seq, build_step, greedy_generate, run_step  # noqa: E402
-from workers.distributed import init_distributed  # noqa: E402
-from workers.loader import load_model  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
+from workers.parallel.distributed import init_distributed  # noqa: E402
 
 
 def main(spec_path: str) -> None:

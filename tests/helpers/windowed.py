@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from workers.attention import AttentionMetadata
+from workers.attention.reference import AttentionMetadata
 
 
 def dense_windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

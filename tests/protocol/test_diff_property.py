@@ -20,7 +20,7 @@ from protocol.codec import Encoder, broadcast_decoder, worker_decoder
 from protocol.config import EngineConfig
 from protocol.messages import SamplingParams, SchedulerOutput
 
-scheduler_mod = pytest.importorskip("engine_core.scheduler")
+scheduler_mod = pytest.importorskip("engine_core.sched.scheduler")
 request_mod = pytest.importorskip("engine_core.request")
 Scheduler = scheduler_mod.Scheduler
 Request = request_mod.Request

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from engine_core.kv_cache_hashing import get_hash_fn, hash_request_tokens
+from engine_core.kv_cache.hashing import get_hash_fn, hash_request_tokens
 from launch.llm import LLM
 from launch.processes import free_port
 from protocol.messages import SamplingParams

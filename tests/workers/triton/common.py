@@ -6,7 +6,7 @@ import torch
 
 from tests.helpers.paged import MIXED_STEP
 from tests.helpers.paged import mixed_step as _mixed_step
-from workers.attention import AttentionMetadata
+from workers.attention.reference import AttentionMetadata
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MIXED = MIXED_STEP

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.workers.triton.common import DEVICE
-from workers import attention
-from workers.layers import RMSNorm, RotaryEmbedding
+from workers.attention import reference
+from workers.model.layers import RMSNorm, RotaryEmbedding
 from workers.triton_ops import kv_cache, norm_act
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -40,7 +40,7 @@ def test_rotary_kv_rotates_and_fills_the_cache(dtype, hd):
     q_ref = rope.forward_torch(pos, q.reshape(n, qh, hd))
     k_rot = rope.forward_torch(pos, k.reshape(n, kvh, hd))
     real = slots >= 0
-    attention.write_kv(k_rot[real], v.reshape(n, kvh, hd)[real], k_ref, v_ref, slots[real])
+    reference.write_kv(k_rot[real], v.reshape(n, kvh, hd)[real], k_ref, v_ref, slots[real])
     got = wide.clone()[:, :-8]
     kv_cache.rotary_kv_(got, qh, kvh, hd, pos, rope.cos, rope.sin, k_got, v_got, slots)
     assert_close(got[:, : qh * hd].reshape(n, qh, hd), q_ref, dtype)

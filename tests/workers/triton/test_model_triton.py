@@ -11,9 +11,9 @@ import torch
 from tests.helpers.paged import Seq, build_step, run_step
 from tests.workers.triton.common import DEVICE
 from workers import cpu_ops
-from workers.input_batch import BatchInputs
-from workers.input_staging import InputStaging
-from workers.loader import load_model
+from workers.model.loader import load_model
+from workers.runner.input_batch import BatchInputs
+from workers.runner.input_staging import InputStaging
 
 # bf16: the kernel rounds softmax weights to bf16 for the PV product (as GPU attention kernels
 # do) where the reference attends in float32; on this deliberately sensitive random model (std

@@ -1,4 +1,5 @@
-"""The Triton paged attention kernel against the torch reference (workers/attention.py)."""
+"""The Triton paged attention kernel against the torch reference (workers/attention/reference.py).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from tests.workers.triton.common import DEVICE, mixed_step
-from workers import attention
+from workers.attention import reference
 from workers.triton_ops import paged_attention as kernels
 
 # float32 inputs take IEEE dot products; bf16/fp16 round P to the cache dtype as on a GPU.
@@ -41,7 +42,7 @@ def test_mixed_step_matches_reference(dtype, block_size, heads, kv_heads, hd):
     t = int(meta.query_start_loc_np[-1])
     q = torch.randn(t, heads, hd, generator=torch.Generator().manual_seed(1)).to(dtype)
     q = q.to(DEVICE)
-    ref = attention.paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta, hd**-0.5)
     out = _run(q, k_cache, v_cache, meta, hd**-0.5, segments=1)
     assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
 
@@ -56,7 +57,7 @@ def test_split_keys_match_reference(segments, dtype):
     k_cache, v_cache = _caches(num_blocks, 4, 2, 32, dtype)
     t = int(meta.query_start_loc_np[-1])
     q = torch.randn(t, 6, 32, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    ref = attention.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
     out = _run(q, k_cache, v_cache, meta, 0.2, segments=segments)
     assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
 
@@ -67,7 +68,7 @@ def test_wide_query_blocks_match_reference():
     k_cache, v_cache = _caches(num_blocks, 16, 2, 32, torch.float32)
     t = int(meta.query_start_loc_np[-1])
     q = torch.randn(t, 4, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    ref = attention.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
     out = _run(q, k_cache, v_cache, meta, 0.2, segments=1, block_m=64)
     assert (out - ref).abs().max().item() < 1e-5
 
@@ -80,7 +81,7 @@ def test_strided_queries_from_the_fused_projection():
     t = int(meta.query_start_loc_np[-1])
     qkv = torch.randn(t, (heads + 2 * kvh) * hd, generator=torch.Generator().manual_seed(4))
     q = qkv.to(DEVICE)[:, : heads * hd].view(t, heads, hd)
-    ref = attention.paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.25)
+    ref = reference.paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.25)
     out = _run(q, k_cache, v_cache, meta, 0.25, segments=1)
     assert (out - ref).abs().max().item() < 1e-5
 

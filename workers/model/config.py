@@ -1,0 +1,178 @@
+"""Model hyper-parameters, read from a HF config.json dict, a GGUF header or a dummy preset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+# Architectures whose weights follow the Llama layout (Qwen2 only adds a q/k/v bias).
+_LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # HF Llama's attention_bias also biases o_proj; Qwen2 biases only q/k/v.
+    o_proj_bias: bool = False
+    # per layer: its sliding window in tokens (a query at p sees keys in (p - W, p]), 0 = full
+    # attention; empty = every layer full attention
+    layer_windows: list[int] = field(default_factory=list)
+
+    def windows(self) -> list[int]:
+        """The sliding window of every layer (0 = full attention)."""
+        return list(self.layer_windows) or [0] * self.num_hidden_layers
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type not in _LLAMA_LIKE:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; expected one of {sorted(_LLAMA_LIKE)}")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        qwen2 = model_type == "qwen2"
+        attention_bias = True if qwen2 else bool(d.get("attention_bias", False))
+        # transformers >= 5 folds rope_theta and rope_scaling into one rope_parameters dict.
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = float(d.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+        rope.pop("rope_theta", None)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else rope
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):  # llama3 lists several; the first is the canonical one
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            o_proj_bias=attention_bias and not qwen2,
+            layer_windows=_layer_windows(d, model_type),
+        )
+
+
+def _layer_windows(d: dict, model_type: str) -> list[int]:
+    """Per-layer sliding windows as transformers reads them (0 = full attention):
+
+    - mistral: ``sliding_window`` (null = none) applies to every layer;
+    - qwen2: the window exists only with ``use_sliding_window``; ``layer_types`` names each
+      layer's kind, else layers from ``max_window_layers`` on slide;
+    - any other config with a ``layer_types`` list and a ``sliding_window``: the layers named
+      "sliding_attention" slide.
+    """
+    n = int(d["num_hidden_layers"])
+    window = d.get("sliding_window")
+    if model_type == "qwen2" and not d.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return []
+    window = int(window)
+    types = d.get("layer_types")
+    if model_type == "mistral":
+        windows = [window] * n
+    elif types:
+        if len(types) != n:
+            raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+        windows = [window if t == "sliding_attention" else 0 for t in types]
+    elif model_type == "qwen2":
+        first = int(d.get("max_window_layers", n))
+        windows = [window if i >= first else 0 for i in range(n)]
+    else:
+        return []
+    return windows if any(windows) else []
+
+
+# Random-weight presets. std 0.2 makes greedy tokens depend on the context (at HF's default 0.02 a
+# tiny model emits one token whatever the prompt, and a broken attention would go unnoticed).
+DUMMY_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "micro": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+DUMMY_INIT_STD = 0.2
+
+# Real-shape presets: the published config.json values of these models, with random weights, so
+# a real model size can be benchmarked without its weight files. Their weights are drawn with
+# REAL_SHAPE_INIT_STD (HF's initializer_range), small enough that bf16 activations stay finite
+# through 16-32 layers, directly into each rank's shard on its device (workers/model/loader.py).
+_LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+DUMMY_PRESETS |= {
+    # meta-llama/Llama-3.2-1B
+    "llama-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_SCALING, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+    ),
+    # meta-llama/Meta-Llama-3-8B
+    "llama-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Qwen/Qwen2-0.5B (q/k/v carry a bias, o_proj does not)
+    "qwen2-0.5b": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=131072,
+        tie_word_embeddings=True, attention_bias=True, bos_token_id=151643,
+        eos_token_id=151643,
+    ),
+}
+REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b"})
+REAL_SHAPE_INIT_STD = 0.02
+
+
+def dummy_config(name: str) -> ModelConfig:
+    """Config of a `dummy:<preset>` model name (a fresh copy, safe to modify)."""
+    preset = name.split(":", 1)[1] if ":" in name else name
+    if preset not in DUMMY_PRESETS:
+        raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
+    return replace(DUMMY_PRESETS[preset], rope_scaling=_copy(DUMMY_PRESETS[preset].rope_scaling))
+
+
+def _copy(d: dict | None) -> dict | None:
+    return None if d is None else dict(d)
+
+
+def dummy_preset_name(name: str) -> str:
+    """'dummy:llama-1b' -> 'llama-1b'."""
+    return name.split(":", 1)[1] if ":" in name else name

@@ -1,0 +1,542 @@
+"""Persistent batch and request-state cache of one worker.
+
+Every rank keeps the same state: it applies the step diff (protocol.messages.SchedulerOutput)
+to preallocated numpy arrays whose active rows stay contiguous, builds the model inputs
+with vectorized ops, and appends its own sampled tokens. A steady decode step touches no
+per-request Python object; only requests that changed cost Python work.
+
+A model with several KV cache groups (sliding-window / hybrid) keeps one block table per group
+(block_tables[g]); every group's table of a request has the same length, so one num_blocks
+count serves all of them, and each group gets its own slot mapping and block table per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from protocol.codec import ProtocolError, unpack_np
+from protocol.messages import SamplingParams, SchedulerOutput
+from workers.sample.sampler import SamplingMetadata, make_generator
+from workers.sample.spec_decode import DraftLayout, ragged_arange
+
+
+class StateMismatchError(RuntimeError):
+    """The diff does not fit this worker's state: computing on would be silently wrong."""
+
+
+def unpack_i32(data: bytes, what: str = "field") -> np.ndarray:
+    """A packed wire array (uint16 or int32, see protocol.codec.pack) as int32."""
+    try:
+        return unpack_np(data).astype(np.int32, copy=False)
+    except ProtocolError as e:
+        raise StateMismatchError(f"{what}: {e}") from None
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """What a worker remembers of a request, also while it is preempted.
+
+    While the request is in the batch its row is authoritative for tokens, block table and
+    num_computed_tokens; output_token_ids is synced from the row when it leaves the batch.
+    """
+
+    handle: int
+    prompt_token_ids: np.ndarray  # int32
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # per-request seed; None = the shared generator
+    output_token_ids: list[int] = field(default_factory=list)
+    row: int = -1  # -1 = not in the batch (preempted)
+
+
+@dataclass
+class BatchInputs:
+    """Host-side model inputs of one step (numpy); ModelRunner moves them to the device."""
+
+    rows: np.ndarray  # [R] batch rows scheduled this step, in query order
+    num_scheduled: np.ndarray  # [R] int32
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R+1] int32
+    seq_lens: np.ndarray  # [R] int32
+    block_table: np.ndarray  # [R, W] int32, 0-padded
+    logits_indices: np.ndarray  # [S + K] int64: last 1 + k_i tokens of each sampling request
+    sample_rows: np.ndarray  # [S] batch rows that sample, same order
+    max_query_len: int
+    max_seq_len: int
+    # None when no request carries drafts this step (then logits_indices has S entries)
+    drafts: DraftLayout | None = None
+    # KV cache groups 1..G-1 (block_table and slot_mapping above are group 0's): per group
+    # (slot_mapping [T] int64, block_table [R, W] int32)
+    other_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        max_blocks_per_req: int | None = None,
+        device: torch.device | str = "cpu",
+        num_groups: int = 1,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = max_blocks_per_req or -(-max_model_len // block_size) + 1
+        self.device = torch.device(device)
+        m = max_num_reqs
+        # +1 column: the token sampled at position max_model_len - 1 still has a slot.
+        self.token_ids = np.zeros((m, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(m, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(m, dtype=np.int32)
+        self.num_groups = num_groups
+        # one block table per KV cache group; block_table is group 0's
+        self.block_tables = np.zeros((num_groups, m, self.max_blocks_per_req), dtype=np.int32)
+        self.block_table = self.block_tables[0]
+        self.num_blocks = np.zeros(m, dtype=np.int32)
+        self.num_scheduled = np.zeros(m, dtype=np.int32)
+        self.handles = np.full(m, -1, dtype=np.int32)
+        self.temperature = np.ones(m, dtype=np.float32)
+        self.top_k = np.zeros(m, dtype=np.int32)
+        self.top_p = np.ones(m, dtype=np.float32)
+        self.min_p = np.zeros(m, dtype=np.float32)
+        self.want_logprobs = np.zeros(m, dtype=bool)
+        self.seeded = np.zeros(m, dtype=bool)
+        # Drafts under verification this step sit in token_ids right after num_tokens; they
+        # are not the request's tokens until accepted, so num_tokens never counts them.
+        self.num_drafts = np.zeros(m, dtype=np.int32)
+        self._draft_rows: np.ndarray | None = None  # rows with drafts this step
+        self.num_seeded = 0  # rows with a per-request generator
+        self.generators: list[torch.Generator | None] = [None] * m
+        self._arrays = (
+            self.num_tokens, self.num_computed_tokens, self.num_blocks, self.num_scheduled,
+            self.handles, self.temperature, self.top_k, self.top_p, self.min_p,
+            self.want_logprobs, self.seeded,
+        )  # fmt: skip
+        self.states: dict[int, CachedRequestState] = {}
+        self.num_rows = 0  # rows in use, holes included; == num_reqs once condensed
+        self._holes: list[int] = []
+        self.last_step_id = -1
+        self._arange = np.arange(m + 1, dtype=np.int64)
+        self._flat_tokens = self.token_ids.reshape(-1)  # views, for np.take
+        self._flat_blocks = self.block_tables.reshape(-1)
+        self._group_stride = m * self.max_blocks_per_req  # group g's table starts at g * this
+
+    # ---------------------------------------------------------------- rows
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_rows - len(self._holes)
+
+    def add_request(self, st: CachedRequestState, block_ids: np.ndarray, num_computed: int) -> int:
+        """Put a (new or resumed) request into a free row; returns the row."""
+        if self._holes:
+            row = self._holes.pop(0)  # holes are few; lowest first keeps rows compact
+        elif self.num_rows < self.max_num_reqs:
+            row = self.num_rows
+            self.num_rows += 1
+        else:
+            raise StateMismatchError(f"more than max_num_reqs={self.max_num_reqs} running")
+        n_prompt = len(st.prompt_token_ids)
+        n_tok = n_prompt + len(st.output_token_ids)
+        if n_tok > self.max_model_len or not 0 <= num_computed <= n_tok:
+            raise StateMismatchError(
+                f"request {st.handle}: {n_tok} tokens (max_model_len={self.max_model_len}), "
+                f"num_computed_tokens={num_computed}"
+            )
+        self.token_ids[row, :n_prompt] = st.prompt_token_ids
+        self.token_ids[row, n_prompt:n_tok] = st.output_token_ids
+        self.num_tokens[row] = n_tok
+        self.num_computed_tokens[row] = num_computed
+        self._set_blocks(row, block_ids, st.handle)
+        sp = st.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_k[row] = sp.top_k
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.want_logprobs[row] = sp.logprobs
+        self.generators[row] = st.generator
+        self.seeded[row] = st.generator is not None
+        self.num_seeded += st.generator is not None
+        self.handles[row] = st.handle
+        st.row = row
+        return row
+
+    def remove_request(self, st: CachedRequestState, keep_tokens: bool) -> None:
+        """Take a request's row out of the batch (a hole until condense)."""
+        row = st.row
+        if keep_tokens:  # preempted: the row is about to be reused, save the outputs
+            n_prompt = len(st.prompt_token_ids)
+            st.output_token_ids = self.token_ids[row, n_prompt : self.num_tokens[row]].tolist()
+        self.handles[row] = -1
+        self.generators[row] = None
+        self.num_seeded -= bool(self.seeded[row])
+        self.seeded[row] = False
+        st.row = -1
+        self._holes.append(row)
+        self._holes.sort()
+
+    def condense(self) -> None:
+        """Move the last active rows into the holes so rows [0, num_reqs) are active."""
+        holes = self._holes
+        while holes:
+            last = self.num_rows - 1
+            if holes[-1] == last:  # trailing hole: just shrink
+                holes.pop()
+                self.num_rows -= 1
+                continue
+            dst = holes.pop(0)
+            self._move_row(last, dst)
+            self.num_rows -= 1
+
+    def _move_row(self, src: int, dst: int) -> None:
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.block_tables[:, dst] = self.block_tables[:, src]
+        for a in self._arrays:
+            a[dst] = a[src]
+        self.generators[dst] = self.generators[src]
+        self.generators[src] = None
+        self.states[int(self.handles[dst])].row = dst
+        self.handles[src] = -1
+        self.seeded[src] = False
+
+    def _set_blocks(self, row: int, block_ids: np.ndarray, handle: int) -> None:
+        g = self.num_groups
+        if len(block_ids) % g:
+            raise StateMismatchError(
+                f"request {handle}: {len(block_ids)} block ids for {g} KV cache groups"
+            )
+        nb = len(block_ids) // g
+        if nb > self.max_blocks_per_req:
+            raise StateMismatchError(
+                f"request {handle}: {nb} blocks > max_blocks_per_req={self.max_blocks_per_req}"
+            )
+        self.block_tables[:, row, :nb] = block_ids.reshape(g, nb)
+        self.block_tables[:, row, nb:] = 0  # pad with the null block
+        self.num_blocks[row] = nb
+
+    def token_ids_of(self, handle: int) -> list[int]:
+        """All tokens (prompt + outputs) the worker holds for a request."""
+        st = self._state(handle)
+        if st.row < 0:
+            return st.prompt_token_ids.tolist() + st.output_token_ids
+        return self.token_ids[st.row, : self.num_tokens[st.row]].tolist()
+
+    def _state(self, handle: int) -> CachedRequestState:
+        st = self.states.get(handle)
+        if st is None:
+            raise StateMismatchError(f"unknown request handle {handle}")
+        return st
+
+    # ---------------------------------------------------------------- the diff
+
+    def apply(self, so: SchedulerOutput) -> None:
+        """Apply one step's diff in the protocol's order; raises StateMismatchError."""
+        if so.step_id != self.last_step_id + 1:
+            raise StateMismatchError(
+                f"step gap: expected step {self.last_step_id + 1}, got {so.step_id}"
+            )
+        if self._draft_rows is not None:  # the previous step never finished: drop its drafts
+            self.num_drafts[:] = 0
+            self._draft_rows = None
+        for h in unpack_i32(so.finished_handles, "finished_handles").tolist():
+            st = self.states.pop(h, None)
+            if st is None:
+                raise StateMismatchError(f"finished handle {h} is unknown")
+            if st.row >= 0:
+                self.remove_request(st, keep_tokens=False)
+        for h in unpack_i32(so.preempted_handles, "preempted_handles").tolist():
+            st = self._state(h)
+            if st.row < 0:
+                raise StateMismatchError(f"preempted handle {h} is not running")
+            self.remove_request(st, keep_tokens=True)
+        fresh: list[tuple[CachedRequestState, int]] = []
+        for r in so.resumed_reqs:
+            st = self._state(r.handle)
+            if st.row >= 0:
+                raise StateMismatchError(f"resumed handle {r.handle} is already running")
+            self.add_request(st, unpack_i32(r.block_ids, "block_ids"), r.num_computed_tokens)
+            fresh.append((st, r.num_scheduled_tokens))
+        for nr in so.new_reqs:
+            if nr.handle in self.states:
+                raise StateMismatchError(f"new handle {nr.handle} is already known")
+            sp = nr.sampling_params
+            gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+            prompt = unpack_i32(nr.prompt_token_ids, "prompt_token_ids").astype(np.int32)
+            st = CachedRequestState(nr.handle, prompt, sp, gen)
+            self.states[nr.handle] = st
+            self.add_request(st, unpack_i32(nr.block_ids, "block_ids"), nr.num_computed_tokens)
+            fresh.append((st, nr.num_scheduled_tokens))
+        self.condense()
+        self._append_blocks(so)
+        self._set_schedule(so, fresh)
+        n = self.num_rows
+        if so.num_running != n:
+            raise StateMismatchError(
+                f"num_running: scheduler says {so.num_running}, worker has {n}"
+            )
+        total = int(self.num_scheduled[:n].sum())
+        if so.total_num_scheduled_tokens != total:
+            raise StateMismatchError(
+                f"total_num_scheduled_tokens: scheduler says {so.total_num_scheduled_tokens}, "
+                f"worker counts {total}"
+            )
+        if so.spec_handles or so.spec_token_counts or so.spec_token_ids:
+            self._set_drafts(so, fresh)
+        self.last_step_id = so.step_id
+
+    def _append_blocks(self, so: SchedulerOutput) -> None:
+        cr = so.cached_reqs
+        if not cr.handles:
+            return
+        handles = unpack_i32(cr.handles, "cached handles").tolist()
+        counts = unpack_i32(cr.new_block_counts, "new_block_counts")
+        ids = unpack_i32(cr.new_block_ids, "new_block_ids")
+        g = self.num_groups
+        if (len(counts) != len(handles) or int(counts.sum()) * g != len(ids)
+                or (counts < 0).any()):
+            raise StateMismatchError("cached_reqs: handles, counts and block ids disagree")
+        row_list = [self._running_row(h, "cached_reqs") for h in handles]
+        if len(set(row_list)) != len(row_list):
+            raise StateMismatchError("cached_reqs lists a handle twice")
+        rows = np.array(row_list, dtype=np.int64)
+        nb = self.num_blocks[rows]
+        if (nb + counts > self.max_blocks_per_req).any():
+            raise StateMismatchError("cached_reqs: block table overflow")
+        # One scatter for all appended ids: row r's new ids go to columns nb[r], nb[r] + 1, ...
+        if g > 1:
+            # handle i's ids are g runs of counts[i] (group 0's first)
+            per = counts * g
+            seg = np.repeat(np.arange(len(rows)), per)
+            k = np.arange(len(ids)) - np.repeat(np.cumsum(per) - per, per)
+            c = counts[seg]
+            flat = ((k // c) * self._group_stride + rows[seg] * self.max_blocks_per_req
+                    + nb[seg] + k % c)
+        elif (counts == 1).all():  # decode steady state: one new block each
+            flat = rows * self.max_blocks_per_req + nb
+        else:
+            cu = np.cumsum(counts, dtype=np.int64)
+            col = np.repeat(nb, counts) + np.arange(len(ids)) - np.repeat(cu - counts, counts)
+            flat = np.repeat(rows, counts) * self.max_blocks_per_req + col
+        self._flat_blocks[flat] = ids
+        self.num_blocks[rows] = nb + counts
+
+    def _set_schedule(self, so: SchedulerOutput, fresh: list[tuple[CachedRequestState, int]]):
+        self.num_scheduled[: self.num_rows] = 1  # default: one token for every running request
+        if so.sched_override_handles or so.sched_override_counts:
+            handles = unpack_i32(so.sched_override_handles, "sched_override_handles").tolist()
+            counts = unpack_i32(so.sched_override_counts, "sched_override_counts")
+            if len(counts) != len(handles) or (counts < 0).any():
+                raise StateMismatchError("sched_override handles and counts disagree")
+            fresh_handles = {st.handle for st, _ in fresh}
+            for h, c in zip(handles, counts.tolist(), strict=True):
+                if h in fresh_handles:
+                    raise StateMismatchError(f"override for new/resumed handle {h}")
+                self.num_scheduled[self._running_row(h, "sched_override")] = c
+        for st, c in fresh:
+            if c < 0:
+                raise StateMismatchError(f"negative num_scheduled_tokens for {st.handle}")
+            self.num_scheduled[st.row] = c
+
+    def _set_drafts(self, so: SchedulerOutput, fresh: list[tuple[CachedRequestState, int]]):
+        """Check the drafts against the schedule and write them after each row's tokens."""
+        handles = unpack_i32(so.spec_handles, "spec_handles").tolist()
+        counts = unpack_i32(so.spec_token_counts, "spec_token_counts")
+        ids = unpack_i32(so.spec_token_ids, "spec_token_ids")
+        if len(counts) != len(handles) or int(counts.sum()) != len(ids):
+            raise StateMismatchError(
+                f"spec diff: {len(handles)} handles, {len(counts)} draft counts summing to "
+                f"{int(counts.sum())}, {len(ids)} draft token ids"
+            )
+        if (counts < 1).any() or (ids < 0).any():
+            raise StateMismatchError("spec diff: a draft count < 1 or a negative draft token id")
+        fresh_handles = {st.handle for st, _ in fresh}
+        row_list = []
+        for h in handles:
+            if h in fresh_handles:
+                raise StateMismatchError(f"spec drafts for new/resumed handle {h}")
+            row_list.append(self._running_row(h, "spec_handles"))
+        if len(set(row_list)) != len(row_list):
+            raise StateMismatchError("spec_handles lists a handle twice")
+        rows = np.array(row_list, dtype=np.int64)
+        num_tokens = self.num_tokens[rows]
+        computed = self.num_computed_tokens[rows]
+        scheduled = self.num_scheduled[rows]
+        # The scheduler computes the last token plus every draft, nothing more or less.
+        bad = computed + scheduled != num_tokens + counts
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise StateMismatchError(
+                f"request {handles[i]}: {int(counts[i])} drafts need num_computed_tokens + "
+                f"num_scheduled == num_tokens + drafts; worker has {int(computed[i])} + "
+                f"{int(scheduled[i])} != {int(num_tokens[i])} + {int(counts[i])}"
+            )
+        over = num_tokens + counts > self.max_model_len
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise StateMismatchError(
+                f"request {handles[i]}: {int(num_tokens[i])} tokens + {int(counts[i])} drafts "
+                f"> max_model_len={self.max_model_len}"
+            )
+        cols = np.repeat(num_tokens, counts) + ragged_arange(counts)
+        self._flat_tokens[np.repeat(rows, counts) * self.token_ids.shape[1] + cols] = ids
+        self.num_drafts[rows] = counts
+        self._draft_rows = rows
+
+    def _running_row(self, handle: int, what: str) -> int:
+        st = self.states.get(handle)
+        if st is None or st.row < 0:
+            raise StateMismatchError(f"{what}: handle {handle} is not running")
+        return st.row
+
+    # ---------------------------------------------------------------- inputs
+
+    def prepare_inputs(self) -> BatchInputs:
+        """Vectorized model inputs for the scheduled rows (call after apply).
+
+        The result may share memory with the batch: use it before the next apply().
+        """
+        n = self.num_rows
+        counts_all = self.num_scheduled[:n]
+        bs = self.block_size
+        sel: slice | np.ndarray
+        if (counts_all == 1).all():  # steady decode: one token per row, plain slices
+            sel = slice(0, n)
+            rows = self._arange[:n]
+            counts = counts_all
+            computed = self.num_computed_tokens[:n]
+            positions = computed.astype(np.int64)
+            req = rows
+            qsl = self._arange[: n + 1].astype(np.int32)
+        else:
+            sel = rows = np.flatnonzero(counts_all)
+            counts = counts_all[rows]
+            computed = self.num_computed_tokens[rows]
+            cu = np.cumsum(counts, dtype=np.int64)
+            total = int(cu[-1]) if len(cu) else 0
+            req = np.repeat(rows, counts)
+            offsets = self._arange_tokens(total) - np.repeat(cu - counts, counts)
+            positions = np.repeat(computed, counts).astype(np.int64) + offsets
+            qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+            qsl[1:] = cu
+        seq_lens = computed + counts
+        num_tokens = self.num_tokens[sel]
+        if self._draft_rows is not None:  # drafts are computed on like tokens the row holds
+            num_tokens = num_tokens + self.num_drafts[sel]
+        # Never compute on tokens the worker does not hold or KV slots it was not given.
+        bad = (seq_lens > num_tokens) | (seq_lens > self.num_blocks[sel] * bs)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise StateMismatchError(
+                f"request {int(self.handles[rows[i]])}: scheduled up to {int(seq_lens[i])} "
+                f"tokens, holds {int(num_tokens[i])} tokens and "
+                f"{int(self.num_blocks[rows[i]])} blocks"
+            )
+        # Flat indices into the 2-D buffers: np.take on 1-D beats 2-D fancy indexing.
+        input_ids = self._flat_tokens.take(req * self.token_ids.shape[1] + positions)
+        block_idx = req * self.max_blocks_per_req + positions // bs
+        offset = positions % bs
+        block_ids = self._flat_blocks.take(block_idx)
+        slot_mapping = block_ids * bs + offset
+        max_seq_len = int(seq_lens.max()) if len(rows) else 0
+        sampling = seq_lens >= num_tokens
+        if sampling.all():
+            logits_indices = qsl[1:].astype(np.int64) - 1
+            sample_rows = rows
+        else:
+            pick = np.flatnonzero(sampling)
+            logits_indices = qsl[1:][pick].astype(np.int64) - 1
+            sample_rows = rows[pick]
+        drafts = None
+        if self._draft_rows is not None:
+            logits_indices, drafts = self._verification_targets(sample_rows, logits_indices)
+        return BatchInputs(
+            rows=rows,
+            num_scheduled=counts,
+            input_ids=input_ids.astype(np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=self.block_table[sel, : -(-max_seq_len // bs)],
+            logits_indices=logits_indices,
+            sample_rows=sample_rows,
+            max_query_len=int(counts.max()) if len(rows) else 0,
+            max_seq_len=max_seq_len,
+            drafts=drafts,
+            other_groups=[
+                (self._flat_blocks.take(block_idx + g * self._group_stride) * bs + offset,
+                 self.block_tables[g][sel, : -(-max_seq_len // bs)])
+                for g in range(1, self.num_groups)
+            ],
+        )
+
+    def _verification_targets(
+        self, sample_rows: np.ndarray, last: np.ndarray
+    ) -> tuple[np.ndarray, DraftLayout]:
+        """Logits indices of each sampling row's last k + 1 tokens, and where its drafts are.
+
+        A row with drafts computes its whole schedule, so it always samples (seq_len == its
+        tokens + drafts): every draft row is among sample_rows.
+        """
+        k = self.num_drafts[sample_rows].astype(np.int64)
+        start = sample_rows * self.token_ids.shape[1] + self.num_tokens[sample_rows]
+        draft_ids = self._flat_tokens.take(np.repeat(start, k) + ragged_arange(k))
+        layout = DraftLayout(k, draft_ids)
+        return np.repeat(last - k, k + 1) + layout.rel, layout
+
+    def _arange_tokens(self, total: int) -> np.ndarray:
+        if total > len(self._arange):
+            self._arange = np.arange(max(total, 2 * len(self._arange)), dtype=np.int64)
+        return self._arange[:total]
+
+    def sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata:
+        gens: dict[int, torch.Generator] = {}
+        if self.num_seeded:  # only seeded rows cost Python work
+            for i in np.flatnonzero(self.seeded[sample_rows]).tolist():
+                g = self.generators[int(sample_rows[i])]
+                assert g is not None
+                gens[i] = g
+        return SamplingMetadata(
+            temperature=self.temperature[sample_rows],
+            top_k=self.top_k[sample_rows],
+            top_p=self.top_p[sample_rows],
+            min_p=self.min_p[sample_rows],
+            generators=gens,
+            need_logprobs=bool(self.want_logprobs[sample_rows].any()),
+        )
+
+    def update_after_step(
+        self, inputs: BatchInputs, sampled: np.ndarray, counts: np.ndarray | None = None
+    ) -> None:
+        """Advance num_computed_tokens by what was scheduled; append the sampled tokens.
+
+        ``counts`` (tokens per sampling row, flattened in ``sampled``) is required when the
+        step verified drafts; None means one token per sampling row.
+        """
+        self.num_computed_tokens[inputs.rows] += inputs.num_scheduled
+        rows = inputs.sample_rows
+        if inputs.drafts is None:
+            if len(rows):
+                self.token_ids[rows, self.num_tokens[rows]] = sampled
+                self.num_tokens[rows] += 1
+            return
+        if counts is None or len(counts) != len(rows) or int(counts.sum()) != len(sampled):
+            raise ValueError("a step with drafts needs the token count of every sampling row")
+        k = self.num_drafts[rows]
+        # Rejected drafts' KV was computed on wrong tokens: roll back so they get recomputed
+        # (the scheduler applies the same rollback to its own count).
+        self.num_computed_tokens[rows] -= k - (counts - 1)
+        num_tokens = self.num_tokens[rows]
+        start = rows * self.token_ids.shape[1] + num_tokens
+        self._flat_tokens[np.repeat(start, counts) + ragged_arange(counts)] = sampled
+        self.num_tokens[rows] = num_tokens + counts
+        assert self._draft_rows is not None
+        self.num_drafts[self._draft_rows] = 0
+        self._draft_rows = None

@@ -1,0 +1,110 @@
+"""Persistent host staging buffers and their device twins for one worker's step inputs.
+
+On CUDA every step used to allocate fresh device tensors and copy pageable numpy arrays into
+them (a synchronous copy each). Here each input has one pinned host buffer and one device
+buffer, allocated once at their largest size; a step writes the live prefix of each array into
+the pinned buffer and issues one non_blocking host-to-device copy of that prefix. The device
+buffers keep their addresses for the worker's life, which is what CUDA-graph replay needs.
+
+Reusing a pinned buffer is safe because each step ends with the device-to-host copy of its
+sampled tokens, which waits for every earlier copy on the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from workers.attention.reference import AttentionMetadata
+from workers.runner.input_batch import BatchInputs
+
+
+class _Staged:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        pin = device.type == "cuda"
+        self.host = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.device = torch.empty(shape, dtype=dtype, device=device)
+
+    def put(self, arr: np.ndarray, length: int | None = None, fill: int = 0) -> torch.Tensor:
+        """Copy arr into rows [:len(arr)], `fill` into [len(arr):length]; returns the device
+        view of the first `length` rows (default len(arr))."""
+        n = len(arr)
+        length = n if length is None else length
+        if length > self.host_np.shape[0]:
+            raise ValueError(f"{length} rows > staging capacity {self.host_np.shape[0]}")
+        self.host_np[:n] = arr
+        if length > n:
+            self.host_np[n:length] = fill
+        dst = self.device[:length]
+        dst.copy_(self.host[:length], non_blocking=True)
+        return dst
+
+
+class InputStaging:
+    """The step inputs of one worker: token ids, positions, slot mapping, query start offsets,
+    sequence lengths, block table and logits indices (a slot mapping and a block table per KV
+    cache group)."""
+
+    def __init__(self, device: torch.device, max_tokens: int, max_reqs: int,
+                 max_blocks_per_req: int, num_groups: int = 1) -> None:
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+        self.input_ids = _Staged((max_tokens,), torch.int64, device)
+        self.positions = _Staged((max_tokens,), torch.int64, device)
+        self.slot_mapping = _Staged((max_tokens,), torch.int64, device)
+        self.query_start_loc = _Staged((max_reqs + 1,), torch.int32, device)
+        self.seq_lens = _Staged((max_reqs,), torch.int32, device)
+        self.block_table = _Staged((max_reqs, max_blocks_per_req), torch.int32, device)
+        self.logits_indices = _Staged((max_tokens,), torch.int64, device)
+        # KV cache groups 1..G-1: their slot mappings and block tables
+        self.other_groups = [
+            (_Staged((max_tokens,), torch.int64, device),
+             _Staged((max_reqs, max_blocks_per_req), torch.int32, device))
+            for _ in range(num_groups - 1)
+        ]
+
+    def stage(self, inputs: BatchInputs, num_tokens: int | None = None,
+              num_reqs: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
+        """Device views of the step's inputs, padded to num_tokens / num_reqs (a CUDA-graph
+        size) when given: padding tokens write no K/V (slot -1) and padding requests have no
+        tokens and no context, so they attend to nothing."""
+        t = len(inputs.input_ids)
+        r = len(inputs.seq_lens)
+        num_tokens = t if num_tokens is None else num_tokens
+        num_reqs = r if num_reqs is None else num_reqs
+        qsl = self.query_start_loc.put(inputs.query_start_loc, num_reqs + 1, fill=t)
+        seq_lens = self.seq_lens.put(inputs.seq_lens, num_reqs, fill=0)
+        width = inputs.block_table.shape[1]
+        # Whole rows of the persistent table: its stride stays fixed for a captured graph.
+        self.block_table.host_np[:r, :width] = inputs.block_table
+        self.block_table.device[:r].copy_(self.block_table.host[:r], non_blocking=True)
+        qsl_np = self.query_start_loc.host_np[: num_reqs + 1]
+        lens_np = self.seq_lens.host_np[:num_reqs]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.put(inputs.slot_mapping, num_tokens, fill=-1),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=self.block_table.device[:num_reqs, :width],
+            query_start_loc_np=qsl_np,
+            seq_lens_np=lens_np,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+        ids = self.input_ids.put(inputs.input_ids, num_tokens, fill=0)
+        pos = self.positions.put(inputs.positions, num_tokens, fill=0)
+        if not inputs.other_groups:
+            return ids, pos, meta
+        metas = [meta]
+        for (slots, table), (staged_slots, staged_table) in zip(
+                inputs.other_groups, self.other_groups, strict=True):
+            staged_table.host_np[:r, :width] = table
+            staged_table.device[:r].copy_(staged_table.host[:r], non_blocking=True)
+            metas.append(replace(meta, slot_mapping=staged_slots.put(slots, num_tokens, fill=-1),
+                                 block_table=staged_table.device[:num_reqs, :width]))
+        return ids, pos, metas
+
+    def logits_index(self, idx: np.ndarray) -> torch.Tensor:
+        return self.logits_indices.put(idx)

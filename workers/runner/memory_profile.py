@@ -1,0 +1,218 @@
+"""How many KV blocks a rank gets: the arithmetic, the CUDA profile run and the start-up log line.
+
+On CUDA (vLLM's `gpu_memory_utilization` meaning): after the weights are loaded, one forward of
+max_num_batched_tokens tokens measures the peak activation memory; the KV cache gets
+
+    total * utilization - (memory in use after loading) - (peak activation increase)
+
+"Memory in use" is the device's own figure (total - free), so the CUDA context, the weights and
+anything else on the GPU count against the budget, and what 1 - utilization leaves free is room
+for CUDA graphs and allocator fragmentation. On CPU the budget is a fixed byte count.
+`num_gpu_blocks_override` beats everything, then an explicit `kv_cache_memory`.
+
+The device queries are parameters, so the arithmetic is tested on CPU with stubbed figures.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from protocol.config import CPU_KV_CACHE_MEMORY, EngineConfig
+
+if TYPE_CHECKING:
+    from workers.model.llama import LlamaForCausalLM
+    from workers.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("tandem.memory")
+
+# The engine core's default token budget per step (engine_core/core.py; workers cannot import
+# engine_core): the profile run must cover the largest step the scheduler can plan.
+CPU_MAX_BATCHED_TOKENS = 2048
+GPU_MAX_BATCHED_TOKENS = 8192
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class KVCachePlan:
+    num_blocks: int
+    kv_bytes: int  # num_blocks * bytes_per_block
+    bytes_per_block: int
+    weights_bytes: int
+    # None: no profile run (CPU, or the size came from an explicit option)
+    peak_activation_bytes: int | None
+    total_bytes: int | None  # the device's memory, where it was queried
+    source: str  # num_gpu_blocks_override | kv_cache_memory | gpu_memory_utilization | cpu default
+
+    def log_line(self, rank: int, device: str) -> str:
+        def mib(n: int | None) -> str:
+            return "not profiled" if n is None else f"{n / MiB:.1f} MiB"
+
+        total = "" if self.total_bytes is None else f", device total {mib(self.total_bytes)}"
+        return (
+            f"rank {rank} on {device}: weights {mib(self.weights_bytes)} "
+            f"({self.weights_bytes} B), peak activations {mib(self.peak_activation_bytes)}, "
+            f"KV cache {mib(self.kv_bytes)} ({self.kv_bytes} B) = {self.num_blocks} blocks of "
+            f"{self.bytes_per_block} B [{self.source}]{total}"
+        )
+
+
+def kv_bytes_from_utilization(
+    total_bytes: int, utilization: float, used_after_load: int, peak_activation_bytes: int
+) -> int:
+    """What `total * utilization` leaves for the KV cache once the memory already in use (CUDA
+    context, weights, other processes) and the profile run's peak increase are taken out."""
+    return int(total_bytes * utilization) - used_after_load - peak_activation_bytes
+
+
+def plan_kv_cache(
+    config: EngineConfig,
+    *,
+    device_type: str,
+    bytes_per_block: int,
+    weights_bytes: int,
+    mem_get_info: Callable[[], tuple[int, int]] | None = None,
+    profile_peak: Callable[[], int] | None = None,
+) -> KVCachePlan:
+    """The KV cache size for one rank.
+
+    mem_get_info() -> (free, total) bytes of the device (torch.cuda.mem_get_info); profile_peak()
+    runs the profile forward and returns its peak increase over the memory allocated before it.
+    Both are only called on CUDA when neither override is set.
+    """
+
+    def plan(num_blocks: int, source: str, peak: int | None = None,
+             total: int | None = None) -> KVCachePlan:
+        return KVCachePlan(num_blocks, num_blocks * bytes_per_block, bytes_per_block,
+                           weights_bytes, peak, total, source)
+
+    if config.num_gpu_blocks_override is not None:
+        return _checked(plan(config.num_gpu_blocks_override, "num_gpu_blocks_override"), config)
+    if config.kv_cache_memory is not None:
+        return _checked(plan(config.kv_cache_memory // bytes_per_block, "kv_cache_memory"),
+                        config)
+    if device_type != "cuda":
+        return _checked(plan(CPU_KV_CACHE_MEMORY // bytes_per_block, "cpu default"), config)
+    if mem_get_info is None or profile_peak is None:
+        raise ValueError("sizing the KV cache on CUDA needs mem_get_info and profile_peak")
+    free_before, total = mem_get_info()
+    peak = profile_peak()
+    kv = kv_bytes_from_utilization(total, config.gpu_memory_utilization, total - free_before, peak)
+    result = plan(max(kv, 0) // bytes_per_block, "gpu_memory_utilization", peak, total)
+    if result.num_blocks < 2:
+        raise ValueError(
+            f"no room for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} of "
+            f"{total / MiB:.0f} MiB is {total * config.gpu_memory_utilization / MiB:.0f} MiB, but "
+            f"{(total - free_before) / MiB:.0f} MiB are already in use (weights "
+            f"{weights_bytes / MiB:.0f} MiB) and the profile run of max_num_batched_tokens "
+            f"needs {peak / MiB:.0f} MiB more; raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens, use more tensor-parallel ranks or free the GPU"
+        )
+    return result
+
+
+def _checked(plan: KVCachePlan, config: EngineConfig) -> KVCachePlan:
+    if plan.num_blocks < 2:
+        if plan.source == "num_gpu_blocks_override":
+            budget = f"num_gpu_blocks_override={config.num_gpu_blocks_override}"
+        else:
+            budget = f"kv_cache_memory={config.kv_cache_memory or CPU_KV_CACHE_MEMORY} bytes"
+        raise ValueError(
+            f"{budget} gives {plan.num_blocks} blocks of {plan.bytes_per_block} bytes; "
+            "need at least 2 (block 0 is the null block)"
+        )
+    return plan
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (tied tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+@torch.inference_mode()
+def profile_forward(model: LlamaForCausalLM, num_tokens: int, max_model_len: int,
+                    max_num_seqs: int, block_size: int, device: torch.device) -> None:
+    """One forward of num_tokens tokens (sequences of up to max_model_len, as the scheduler may
+    plan them) plus the logits of up to max_num_seqs rows, on a 2-block scratch KV cache: every
+    token writes into block 1 and every context reads block 1 again, so the attention does the
+    work of the real lengths without a real-size cache."""
+    from workers.attention.reference import AttentionMetadata
+
+    lens: list[int] = []
+    left = num_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(lens)
+    seq_lens = np.asarray(lens, dtype=np.int32)
+    width = -(-max(lens) // block_size)
+    positions = np.concatenate([np.arange(n) for n in lens])
+    model.allocate_kv_cache(2, block_size)
+
+    def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(block_size + positions % block_size, torch.int64),
+        query_start_loc=t(qsl, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_table=torch.ones((len(lens), width), dtype=torch.int32, device=device),
+        query_start_loc_np=qsl,
+        seq_lens_np=seq_lens,
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(ids, t(positions, torch.int64), meta)
+    model.compute_logits(hidden[: min(max_num_seqs, num_tokens)])
+    del hidden, meta
+    model.allocate_kv_cache(0, block_size)  # drop the scratch cache before sizing the real one
+
+
+def cuda_profile_peak(model: LlamaForCausalLM, num_tokens: int, max_model_len: int,
+                      max_num_seqs: int, block_size: int, device: torch.device) -> int:
+    """Peak memory the profile forward adds over what is allocated before it (CUDA)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    profile_forward(model, num_tokens, max_model_len, max_num_seqs, block_size, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return max(peak, 0)
+
+
+def plan_for_runner(runner: ModelRunner) -> KVCachePlan:
+    """ModelRunner.init_kv_cache's sizing: the plan for this rank, logged once."""
+    model = runner.model
+    assert model is not None
+    device = runner.device
+    config = runner.config
+    budget = config.max_num_batched_tokens or (
+        GPU_MAX_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_BATCHED_TOKENS)
+    plan = plan_kv_cache(
+        config,
+        device_type=device.type,
+        bytes_per_block=model.kv_cache_bytes_per_block(runner.block_size),
+        weights_bytes=weights_bytes(model),
+        mem_get_info=lambda: torch.cuda.mem_get_info(device),
+        profile_peak=lambda: cuda_profile_peak(model, budget, runner.max_model_len,
+                                               config.max_num_seqs, runner.block_size, device),
+    )
+    logger.info("%s", plan.log_line(runner.dist.rank, str(device)))
+    return plan

@@ -1,0 +1,285 @@
+"""ModelRunner: one worker's step = apply diff -> build inputs -> forward -> sample.
+
+Identical on every rank; the worker process loop around it decides who sends the output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from protocol.codec import pack, pack_f32
+from protocol.config import EngineConfig
+from protocol.kv_transfer import KVLoadResult
+from protocol.messages import ModelRunnerOutput, SchedulerOutput
+from workers.attention.reference import AttentionMetadata
+from workers.parallel.distributed import DistEnv, tp_all_reduce_min
+from workers.runner.input_batch import BatchInputs, InputBatch
+from workers.runner.input_staging import InputStaging
+from workers.runner.memory_profile import GPU_MAX_BATCHED_TOKENS
+from workers.sample.sampler import GREEDY_EPS, Sampler, tokens_checksum
+from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
+
+if TYPE_CHECKING:
+    from workers.kv_offload.host_pool import KVOffloadExecutor
+    from workers.model.config import ModelConfig
+    from workers.model.llama import LlamaForCausalLM
+    from workers.runner.cuda_graphs import CudaGraphRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, dist: DistEnv) -> None:
+        self.config = config
+        self.dist = dist
+        self.device = torch.device(dist.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.model: LlamaForCausalLM | None = None
+        self.model_config: ModelConfig | None = None
+        self.max_model_len = config.max_model_len or 0
+        self.num_blocks = 0
+        self.sampler = Sampler(config.seed, self.device)
+        self.input_batch: InputBatch | None = None
+        # CUDA only: pinned staging buffers (CPU tensors from numpy are already zero-copy) and
+        # the decode-step graphs.
+        self.staging: InputStaging | None = None
+        self.graphs: CudaGraphRunner | None = None
+        # the KV offload tiers (issue 19): host pool (+ disk store) and the executor of the
+        # copies each step names; None without --kv-offload-memory
+        self.kv_offload: KVOffloadExecutor | None = None
+        self.num_host_blocks = 0
+        self.num_disk_blocks = 0
+        self.kv_bytes_per_block = 0
+        self._k_caches: list[torch.Tensor] = []
+        self._v_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        from workers.model.loader import load_model
+
+        self.model, self.model_config = load_model(
+            self.config.model,
+            self.dist.rank,
+            self.dist.world_size,
+            self.dtype,
+            self.device,
+            seed=self.config.seed,
+            load_format=self.config.load_format,
+        )
+        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        # one block table per KV cache group (sliding-window and hybrid models have several)
+        self.num_kv_groups = len(self.model.kv_cache_groups)
+        self.input_batch = InputBatch(
+            self.config.max_num_seqs, self.max_model_len, self.block_size, device=self.device,
+            num_groups=self.num_kv_groups,
+        )
+        self.model.set_attention_backend(self.config.attention_backend)
+        if self.device.type == "cuda":
+            budget = self.config.max_num_batched_tokens or GPU_MAX_BATCHED_TOKENS
+            # A step's tokens fit the budget; drafts may add up to K per request on top.
+            spec = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
+            self.staging = InputStaging(self.device, budget + spec, self.config.max_num_seqs,
+                                        self.input_batch.max_blocks_per_req, self.num_kv_groups)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode-step graphs (CUDA, Triton attention, not enforce_eager); call
+        once, after init_kv_cache()."""
+        assert self.model is not None
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.staging is None
+                or self.model.attn_backend.name != "triton"):
+            return
+        if self.num_kv_groups > 1:
+            # the graphs are captured with one block table; hybrid models decode eagerly
+            logger.info("%d KV cache groups: decode steps run eagerly (no CUDA graphs)",
+                        self.num_kv_groups)
+            return
+        from workers.runner.cuda_graphs import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.model, self.staging, self.config.max_num_seqs,
+                                      1 + self.config.num_speculative_tokens)
+        self.graphs.capture()
+
+    def init_kv_cache(self) -> int:
+        """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
+        if self.model is None:
+            raise RuntimeError("load_model() must run before init_kv_cache()")
+        if self.num_blocks:
+            raise RuntimeError("the KV cache is allocated once")
+        from workers.runner.memory_profile import plan_for_runner
+
+        # overrides, the CPU budget, or on CUDA a profile forward and gpu_memory_utilization
+        num_blocks = plan_for_runner(self).num_blocks
+        self.model.allocate_kv_cache(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
+        if self.config.kv_offload_memory > 0:
+            self._init_kv_offload()
+        return num_blocks
+
+    def _init_kv_offload(self) -> None:
+        """This rank's host pool (and disk store) for its shard of every offloaded block;
+        slot numbers are the scheduler's, the same on every rank."""
+        from workers.kv_offload.disk import DiskKVStore
+        from workers.kv_offload.host_pool import HostKVLayout, HostKVPool, KVOffloadExecutor
+
+        assert self.model is not None
+        self._k_caches = [k for k, _ in self.model.kv_caches]
+        self._v_caches = [v for _, v in self.model.kv_caches]
+        layout = HostKVLayout.from_caches(self._k_caches)
+        num_host = HostKVPool.blocks_for(self.config.kv_offload_memory, layout)
+        # pinned on CUDA, so the copies are DMA that overlaps the forward
+        pool = HostKVPool(layout, num_host, pin=self.device.type == "cuda")
+        disk = None
+        if self.config.kv_offload_disk and self.config.kv_offload_disk_size > 0:
+            num_disk = DiskKVStore.slots_for(self.config.kv_offload_disk_size,
+                                             layout.nbytes_per_block)
+            if num_disk > 0:
+                disk = DiskKVStore(self.config.kv_offload_disk, self.dist.rank, num_disk,
+                                   layout.describe(), layout.nbytes_per_block)
+                self.num_disk_blocks = num_disk
+        self.kv_offload = KVOffloadExecutor(pool, disk, self.device)
+        self.num_host_blocks = num_host
+        self.kv_bytes_per_block = layout.nbytes_per_block
+        logger.info("KV offload: %d host blocks (%s), %d disk blocks", num_host,
+                    layout.describe(), self.num_disk_blocks)
+
+    def close(self) -> None:
+        """Finish the KV offload tiers' copies and disk writes."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None
+
+    def _settle_kv_loads(self) -> KVLoadResult | None:
+        """Disk -> host reads that every rank finished (or any rank failed): the ranks agree
+        on each read's state (MIN all-reduce, only in steps with reads in flight), so all of
+        them report and act on the same verdicts."""
+        assert self.kv_offload is not None
+        slots, states = self.kv_offload.load_states()
+        if not slots:
+            return None
+        agreed = tp_all_reduce_min(states, self.device)
+        return self.kv_offload.settle(slots, agreed)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled tokens (every rank computes the same ones)."""
+        assert self.input_batch is not None and self.model is not None
+        t0 = time.perf_counter()
+        batch = self.input_batch
+        batch.apply(so)
+        offload = self.kv_offload
+        copy_us = 0.0
+        if offload is not None and so.kv_transfers is not None:
+            # before the forward (and before the early return: a step may carry only copies)
+            spent = offload.apply_seconds
+            offload.apply(so.kv_transfers, self._k_caches, self._v_caches)
+            copy_us = (offload.apply_seconds - spent) * 1e6
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(
+                step_id=so.step_id, rank=self.dist.rank, req_handles=b"",
+                kv_load=self._settle_kv_loads() if offload is not None else None,
+                kv_copy_us=copy_us)
+        inputs = batch.prepare_inputs()
+        if offload is not None:
+            offload.wait_before_forward()  # this step's tier copies land before the forward
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            t1 = time.perf_counter()
+            hidden = self.graphs.run(inputs)
+        else:
+            input_ids, positions, meta = self._to_device(inputs)
+            t1 = time.perf_counter()
+            hidden = self.model(input_ids, positions, meta)
+        sampled = None
+        lp = None
+        spec: SpecOutput | None = None
+        drafts = inputs.drafts  # set only when some request verifies drafts this step
+        if len(inputs.sample_rows):
+            if self.staging is not None:
+                idx = self.staging.logits_index(inputs.logits_indices)
+            else:
+                idx = torch.from_numpy(inputs.logits_indices)
+            md = batch.sampling_metadata(inputs.sample_rows)
+            if not md.need_logprobs and bool((md.temperature <= GREEDY_EPS).all()):
+                # All greedy: argmax per vocab shard, no full-logit all-gather; drafts only
+                # add logits indices.
+                targets = self.model.greedy_tokens(hidden[idx])
+                if drafts is None:
+                    sampled = targets.to(torch.int32).cpu().numpy()
+                else:
+                    spec = verify_greedy(targets, drafts)
+                t2 = time.perf_counter()
+            else:
+                logits = self.model.compute_logits(hidden[idx])
+                t2 = time.perf_counter()
+                if drafts is None:
+                    out = self.sampler(logits, md)
+                    sampled = out.token_ids.to(torch.int32).cpu().numpy()
+                    if out.logprobs is not None:
+                        lp = out.logprobs.float().cpu().numpy()
+                else:
+                    spec = sample_with_drafts(self.sampler, logits, drafts, md)
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # honest forward time when nothing samples
+            t2 = time.perf_counter()
+            sampled = np.zeros(0, dtype=np.int32)
+        counts = None
+        if spec is not None:
+            sampled, counts, lp = spec.token_ids, spec.counts, spec.logprobs
+        batch.update_after_step(inputs, sampled, counts)
+        t3 = time.perf_counter()
+
+        handles = batch.handles[inputs.sample_rows]
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            rank=self.dist.rank,
+            req_handles=pack(handles),
+            num_tokens=pack(counts) if counts is not None and (counts != 1).any() else b"",
+            sampled_token_ids=pack(sampled),
+            logprobs=pack_f32(lp) if lp is not None else b"",
+            checksum=tokens_checksum(sampled) if self.config.enable_checksum else None,
+            timings_us=[(t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6],
+            kv_load=self._settle_kv_loads() if offload is not None else None,
+            kv_copy_us=copy_us,
+        )
+
+    def _to_device(
+        self, inputs: BatchInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
+        if self.staging is not None:
+            return self.staging.stage(inputs)
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(inputs.slot_mapping),
+            query_start_loc=t(inputs.query_start_loc),
+            seq_lens=t(inputs.seq_lens),
+            block_table=t(inputs.block_table),
+            query_start_loc_np=inputs.query_start_loc,
+            seq_lens_np=inputs.seq_lens,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+        if not inputs.other_groups:
+            return t(inputs.input_ids), t(inputs.positions), meta
+        # one metadata per KV cache group: its own slots and block table, the rest shared
+        metas = [meta] + [
+            replace(meta, slot_mapping=t(slots), block_table=t(table))
+            for slots, table in inputs.other_groups
+        ]
+        return t(inputs.input_ids), t(inputs.positions), metas
