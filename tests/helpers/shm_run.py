@@ -1,4 +1,4 @@
-"""One rank of tests/workers/test_shm_comm.py: shared-memory collectives against gloo's."""
+"""One rank of tests/workers/parallel/test_shm_comm.py: shared-memory collectives against gloo's."""
 
 from __future__ import annotations
 

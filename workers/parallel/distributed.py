@@ -79,7 +79,8 @@ def _setup_shm(rank: int, world_size: int) -> None:
     """Use shared memory for the TP collectives when every rank is on this host (collective:
     every rank takes the same decision, since the inputs are all-gathered)."""
     global _shm
-    from workers import cpu_ops, shm_comm
+    from workers import cpu_ops
+    from workers.parallel import shm_comm
 
     wanted = os.environ.get("TANDEM_SHM_COLLECTIVES", "1") != "0"
     able = [bool(wanted and cpu_ops.ops() is not None)] * world_size
