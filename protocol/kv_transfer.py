@@ -4,7 +4,7 @@ The scheduler owns the tier accounting and names every copy; the workers only ex
 One step's copies travel as one ``KVTransfers`` (a field of the step plan), O(copies): a steady
 step with no evictions or restores carries None there.
 
-Each direction is a flat packed array (``protocol.codec.pack``) of ``(src, dst)`` pairs:
+Each direction is a flat packed array (``protocol.packing.pack``) of ``(src, dst)`` pairs:
 
 ==================  ==========================  =============================================
 field               src -> dst                  executed
@@ -35,6 +35,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from protocol import packing
+
 assert array("Q").itemsize == 8, "disk tags need an 8-byte unsigned C long long"
 _NATIVE_LITTLE = sys.byteorder == "little"
 
@@ -64,17 +66,17 @@ def pack_pairs(pairs: Iterable[Pair]) -> bytes:
     for src, dst in pairs:
         flat.append(src)
         flat.append(dst)
-    return codec.pack(flat)
+    return packing.pack(flat)
 
 
 def unpack_pairs(data: bytes) -> list[Pair]:
     """Inverse of ``pack_pairs``; ProtocolError on an odd count or a negative id."""
-    flat = codec.unpack(data)
+    flat = packing.unpack(data)
     if len(flat) % 2:
-        raise codec.ProtocolError(
+        raise packing.ProtocolError(
             f"packed (src, dst) pairs hold an odd number of ids ({len(flat)})")
     if flat and min(flat) < 0:
-        raise codec.ProtocolError("negative block or slot id in a KV transfer")
+        raise packing.ProtocolError("negative block or slot id in a KV transfer")
     return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
@@ -87,7 +89,7 @@ def pack_tags(tags: Sequence[int]) -> bytes:
 
 def unpack_tags(data: bytes) -> list[int]:
     if len(data) % 8:
-        raise codec.ProtocolError(
+        raise packing.ProtocolError(
             f"packed uint64 tags field has {len(data)} bytes, not a multiple of 8")
     a = array("Q")
     a.frombytes(data)
@@ -123,26 +125,19 @@ def decode_transfers(t: KVTransfers) -> DecodedTransfers:
         disk_to_host_tags=unpack_tags(t.disk_to_host_tags),
     )
     if len(out.host_to_disk_tags) != len(out.host_to_disk):
-        raise codec.ProtocolError(f"{len(out.host_to_disk)} host->disk copies but "
+        raise packing.ProtocolError(f"{len(out.host_to_disk)} host->disk copies but "
                             f"{len(out.host_to_disk_tags)} tags")
     if len(out.disk_to_host_tags) != len(out.disk_to_host):
-        raise codec.ProtocolError(f"{len(out.disk_to_host)} disk->host copies but "
+        raise packing.ProtocolError(f"{len(out.disk_to_host)} disk->host copies but "
                             f"{len(out.disk_to_host_tags)} tags")
     # A destination named twice in one direction would make the result depend on copy order
     # (index_copy_ with repeated indices is undefined): the scheduler never plans it.
     for name in ("host_to_disk", "disk_to_host", "device_to_host", "host_to_device"):
         pairs: list[Pair] = getattr(out, name)
         if len({dst for _, dst in pairs}) != len(pairs):
-            raise codec.ProtocolError(f"a destination appears twice in {name}")
+            raise packing.ProtocolError(f"a destination appears twice in {name}")
     return out
 
 
 def is_empty(t: KVTransfers) -> bool:
     return not (t.host_to_disk or t.disk_to_host or t.device_to_host or t.host_to_device)
-
-
-# Last, and the module rather than its names: protocol.messages imports this file (its step
-# plan carries KVTransfers) and protocol.codec imports protocol.messages, so whichever of the
-# three is imported first, codec may be half-initialized here; the functions above look its
-# names up when called.
-from protocol import codec  # noqa: E402

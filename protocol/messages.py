@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.kv_transfer import KVLoadResult, KVTransfers
+
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
 PROTOCOL_VERSION = 2
 
@@ -299,9 +301,3 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
 
 
 WorkerMessage = WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady
-
-
-# At the end: protocol.kv_transfer reaches protocol.codec, which imports this module's names.
-# The annotations above are strings (resolved when a decoder is built), so a late import is
-# enough for msgspec and breaks the cycle.
-from protocol.kv_transfer import KVLoadResult, KVTransfers  # noqa: E402
