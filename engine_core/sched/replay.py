@@ -108,7 +108,7 @@ class ReplayWorker:
         return next(t for t in range(len(stop_ids) + 1) if t not in stop_ids)
 
     def step(self, so: SchedulerOutput, sched: Scheduler) -> ModelRunnerOutput:
-        by_handle = sched._by_handle  # handle -> request, to find the recorded tokens
+        by_handle = sched.by_handle  # handle -> request, to find the recorded tokens
         for h in unpack(so.finished_handles):
             self.seqs.pop(h, None)
             self.running.discard(h)

@@ -20,16 +20,17 @@ from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_offload import KVOffloadManager
 from engine_core.kv_offload.scheduling import OffloadScheduling
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
+from engine_core.sched import update
 from engine_core.sched.invariants import check_block_pool, check_scheduler_queues
 from engine_core.sched.request_queue import create_request_queue
 from engine_core.sched.step_diff import StepDiff
 from engine_core.sched.trace import SchedulerTrace, trace_header
-from engine_core.sched.update import SchedulerUpdate
 from engine_core.spec_decode.ngram_proposer import NgramProposer
 from protocol.codec import pack
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.messages import (
+    ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
     ResumedRequestData,
@@ -49,7 +50,7 @@ def _full_len(req: Request) -> int:
     return n if n > req.num_prompt_tokens else req.num_prompt_tokens
 
 
-class Scheduler(SchedulerUpdate):
+class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
@@ -91,12 +92,12 @@ class Scheduler(SchedulerUpdate):
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
-        self._by_handle: dict[int, Request] = {}  # requests the workers know
+        self.by_handle: dict[int, Request] = {}  # requests the workers know
         self._next_handle = 0
         self._step_id = 0
         self._finished_handles: list[int] = []  # to tell the workers in the next step
         self._pending_outputs: list[RequestOutput] = []
-        self._spec_by_step: dict[int, dict[int, list[int]]] = {}
+        self.spec_by_step: dict[int, dict[int, list[int]]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
         # async scheduling: a request whose scheduled tokens reach its end samples a token
@@ -184,7 +185,7 @@ class Scheduler(SchedulerUpdate):
                 from_waiting.append(req)
             if finished_status != RequestStatus.FINISHED_ABORTED and req.error is None:
                 req.error = f"request finished by the engine ({finished_status.name})"
-            self._free_request(req, finished_status)
+            self.free_request(req, finished_status)
             self._pending_outputs.append(
                 RequestOutput(
                     request_id=rid,
@@ -198,7 +199,7 @@ class Scheduler(SchedulerUpdate):
         if from_waiting:
             self.waiting.remove_requests(from_waiting)
 
-    def _free_request(self, req: Request, status: RequestStatus) -> None:
+    def free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
         if self.reserve_full_isl and req.status == RUNNING:
             self._full_blocks -= self.kv_cache_manager.max_blocks(_full_len(req))
@@ -211,7 +212,7 @@ class Scheduler(SchedulerUpdate):
         del self.requests[req.request_id]
         if req.handle is not None:  # the workers know it: tell them to forget it
             self._finished_handles.append(req.handle)
-            del self._by_handle[req.handle]
+            del self.by_handle[req.handle]
 
     def take_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -232,7 +233,7 @@ class Scheduler(SchedulerUpdate):
         self._step_id += 1
         self.num_steps += 1
         if diff.spec:
-            self._spec_by_step[step_id] = diff.spec
+            self.spec_by_step[step_id] = diff.spec
         finished, self._finished_handles = self._finished_handles, []
         so = diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups)
         if self.kv_offload is not None:
@@ -356,7 +357,7 @@ class Scheduler(SchedulerUpdate):
 
     def _finish_in_schedule(self, req: Request, status: RequestStatus, diff: StepDiff) -> None:
         diff.forget(req.handle)  # type: ignore[arg-type]
-        self._free_request(req, status)
+        self.free_request(req, status)
         self._pending_outputs.append(
             RequestOutput(
                 request_id=req.request_id, new_token_ids=[], finish_reason=FINISH_REASONS[status]
@@ -411,7 +412,7 @@ class Scheduler(SchedulerUpdate):
                 req.num_cached_tokens = num_hit
                 req.handle = handle = self._next_handle
                 self._next_handle += 1
-                self._by_handle[handle] = req
+                self.by_handle[handle] = req
                 diff.new_reqs.append(
                     NewRequestData(
                         handle=handle,
@@ -436,6 +437,12 @@ class Scheduler(SchedulerUpdate):
                 req.num_output_placeholders = 1
             budget -= n
             diff.total += n
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Append the step's sampled tokens, check stops, free finished requests."""
+        return update.update_from_output(self, scheduler_output, model_output)
 
     # ------------------------------------------------------------------ introspection
 
@@ -476,7 +483,7 @@ class Scheduler(SchedulerUpdate):
             self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs
         )
         for r in self.running:
-            assert self._by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]
+            assert self.by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]
         held = sum(len(b) for b in kvm.held_tables())
         assert kvm.num_held_blocks == held, (kvm.num_held_blocks, held)
         for m in kvm.managers[1:]:

@@ -34,7 +34,7 @@ import msgspec
 from engine_core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine_core.sched.scheduler import Scheduler
+    from engine_core.sched.interface import SchedulerView
     from engine_core.sched.step_diff import StepDiff
 
 TRACE_VERSION = 1
@@ -61,7 +61,7 @@ _OFFLOAD_DELTAS = ("host_hits", "disk_hits", "offloaded", "spilled", "dropped", 
 _OFFLOAD_BYTES = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
 
 
-def trace_header(sched: Scheduler) -> dict[str, Any]:
+def trace_header(sched: SchedulerView) -> dict[str, Any]:
     kvm = sched.kv_cache_manager
     return {
         "type": "header",
@@ -90,7 +90,7 @@ def trace_header(sched: Scheduler) -> dict[str, Any]:
     }
 
 
-def _offload_header(sched: Scheduler) -> dict[str, Any]:
+def _offload_header(sched: SchedulerView) -> dict[str, Any]:
     if sched.kv_offload is None:
         return {}
     off = sched.kv_offload.offload
@@ -190,7 +190,7 @@ class SchedulerTrace:
 
     # ------------------------------------------------------------------ steps
 
-    def on_schedule(self, sched: Scheduler, diff: StepDiff, step_id: int) -> None:
+    def on_schedule(self, sched: SchedulerView, diff: StepDiff, step_id: int) -> None:
         """Record one schedule() call's decisions; written when its output is applied."""
         new = {d.handle: d.num_scheduled_tokens for d in diff.new_reqs}
         resumed = {d.handle: d.num_scheduled_tokens for d in diff.resumed_reqs}
@@ -211,7 +211,7 @@ class SchedulerTrace:
                     n = overrides.get(h, 1)  # type: ignore[arg-type]
                     if n:
                         decisions.append([req.request_id, "running", n])
-        by_handle = sched._by_handle  # the trace reads the scheduler's own state
+        by_handle = sched.by_handle
         for h in diff.preempted:
             rid = by_handle[h].request_id
             decisions.append([rid, "preempted", 0])
@@ -259,7 +259,7 @@ class SchedulerTrace:
         if sched.kv_offload is not None:
             self._pending[step_id]["kv_offload"] = self._offload_record(sched)
 
-    def _offload_record(self, sched: Scheduler) -> dict[str, int]:
+    def _offload_record(self, sched: SchedulerView) -> dict[str, int]:
         """This step's tier hits and copies (blocks), and the tiers' occupancy after it."""
         off = sched.kv_offload
         assert off is not None

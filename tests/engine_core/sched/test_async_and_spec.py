@@ -13,6 +13,7 @@ import random
 import pytest
 
 from engine_core.request import RequestStatus
+from engine_core.sched import update
 from engine_core.sched.scheduler import Scheduler
 from engine_core.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from protocol.config import EngineConfig, config_error
@@ -275,14 +276,14 @@ def test_async_preempted_request_stops_on_its_in_flight_token(
     """A request preempted while its step was in flight takes that step's token; when the
     token is a stop token it finishes from the waiting queue, exactly as in sync mode."""
     finished_while_preempted = []
-    original = Scheduler._update_preempted
+    original = update._update_preempted
 
-    def spy(self: Scheduler, req, new, outputs) -> None:  # type: ignore[no-untyped-def]
-        original(self, req, new, outputs)
+    def spy(s, req, new, outputs, lps=None) -> None:  # type: ignore[no-untyped-def]
+        original(s, req, new, outputs, lps)
         if req.is_finished:
             finished_while_preempted.append(req.request_id)
 
-    monkeypatch.setattr(Scheduler, "_update_preempted", spy)
+    monkeypatch.setattr(update, "_update_preempted", spy)
     monkeypatch.setattr(f"{__name__}.STOP_IDS", list(range(10, 400)))  # stops are common
     ref, _ = run(seed, num_blocks=20)
     got, _ = run(seed, async_mode=True, num_blocks=20)

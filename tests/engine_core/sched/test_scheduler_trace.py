@@ -28,7 +28,7 @@ from tests.engine_core.fake_worker import (
     tokens_of,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BS = 4
 
 

@@ -17,8 +17,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(cpu_ops.ops() is None, reason="no C++ compiler: kernels off"),
 ]
-HELPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers",
-                      "shm_run.py")
+HELPER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "helpers", "shm_run.py")
 
 
 def _run(tmp_path, mode: str, world: int, timeout_s: float = 60) -> list[dict]:
