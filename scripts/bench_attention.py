@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.helpers.paged import Seq, build_step  # noqa: E402
 from workers import cpu_ops, triton_ops  # noqa: E402
-from workers.attention.base import select_attention_backend  # noqa: E402
+from workers.attention import select_attention_backend  # noqa: E402
 from workers.model.layers import RotaryEmbedding  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

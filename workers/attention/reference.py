@@ -116,7 +116,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
 
 
 @dataclass
-class _Prefill:
+class Prefill:
     start: int
     end: int
     blocks: torch.Tensor  # [1, n_blocks] int64, from the block of the first visible key on
@@ -134,7 +134,7 @@ class AttentionPlan:
     decode_tok: torch.Tensor | None  # [D, Q] int64
     decode_blocks: torch.Tensor | None  # [D, n_blocks] int64
     decode_allowed: torch.Tensor | None  # [D, Q, n_blocks * block_size] bool
-    prefills: list[_Prefill]
+    prefills: list[Prefill]
     scratch: GatherScratch | None = None
     decode_valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
     # The CPU kernel computes requests with at most this many new tokens (0: none of them).
@@ -205,7 +205,7 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
         mask = key_pos <= q_pos
         if window:
             mask &= key_pos > q_pos - window
-        prefills.append(_Prefill(start, end,
+        prefills.append(Prefill(start, end,
                                  meta.block_table[int(i), first:n_blocks].long()[None],
                                  seq_len - k0, mask.unsqueeze(0)))
     kernel_max = MAX_BATCHED_QUERY if not short_queries and short.any() else 0
@@ -238,7 +238,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def attend_planned(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
-                   prefills: list[_Prefill]) -> None:
+                   prefills: list[Prefill]) -> None:
     """Fill out's rows for the plan's batched short queries and the given prefill chunks,
     gathering each one's context from the cache."""
     attend = _attend_sdpa if USE_SDPA else _attend

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from protocol.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups, layers_per_group
-from workers.attention.base import AttentionBackend, AttentionStep, select_attention_backend
+from workers.attention import select_attention_backend
+from workers.attention.base import AttentionBackend, AttentionStep
 from workers.attention.reference import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.layers import (

@@ -96,11 +96,11 @@ class ModelRunner:
                                         self.input_batch.max_blocks_per_req, self.num_kv_groups)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode-step graphs (CUDA, Triton attention, not enforce_eager); call
-        once, after init_kv_cache()."""
+        """Capture the decode-step graphs (CUDA, a backend that supports graphs, not
+        enforce_eager); call once, after init_kv_cache()."""
         assert self.model is not None
         if (self.device.type != "cuda" or self.config.enforce_eager or self.staging is None
-                or self.model.attn_backend.name != "triton"):
+                or not self.model.attn_backend.supports_cuda_graphs):
             return
         if self.num_kv_groups > 1:
             # the graphs are captured with one block table; hybrid models decode eagerly

@@ -15,7 +15,7 @@ from tests.helpers.windowed import (
 )
 from workers import cpu_ops
 from workers.attention import reference
-from workers.attention.base import TorchAttentionBackend
+from workers.attention.backends.torch import TorchAttentionBackend
 
 # fresh prefill, continued chunk, decodes (short and long), drafts, prefix-hit decode, a chunk
 # after 16 cached tokens, a prompt shorter than the window

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from workers import cpu_ops
 from workers.attention import reference
 from workers.attention.base import AttentionBackend, AttentionStep, split_qkv
-from workers.attention.reference import AttentionMetadata, AttentionPlan, GatherScratch, _Prefill
+from workers.attention.reference import AttentionMetadata, AttentionPlan, GatherScratch, Prefill
 
 
 class CpuAttentionStep(AttentionStep):
@@ -71,14 +71,14 @@ class CpuAttentionBackend(AttentionBackend):
 
 def _fresh_prefills_batched(out: torch.Tensor, q: torch.Tensor,
                             new_kv: tuple[torch.Tensor, torch.Tensor] | None,
-                            prefills: list[_Prefill], scale: float) -> list[_Prefill]:
+                            prefills: list[Prefill], scale: float) -> list[Prefill]:
     """Attend prefills that have no cached context (seq_len == chunk length) straight from the
     new K/V: consecutive ones of equal length form one [n, L] SDPA call on views, in the model
     dtype (the CPU kernel accumulates in float32). Returns the prefills left to do."""
     if new_kv is None:
         return prefills
     k_new, v_new = new_kv
-    rest: list[_Prefill] = []
+    rest: list[Prefill] = []
     i = 0
     while i < len(prefills):
         p = prefills[i]

@@ -72,6 +72,7 @@ class TritonAttentionStep(AttentionStep):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         self._num_sms: int | None = None
