@@ -29,7 +29,7 @@ from engine_core.step_timeline import StepTimeline
 from engine_core.validation import validate_prompt, validate_sampling
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
 from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack, worker_decoder
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, default_max_batched_tokens
 from protocol.kv_cache_spec import kv_cache_groups
 from protocol.messages import (
     AbortRequests,
@@ -57,8 +57,6 @@ from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_e
 logger = logging.getLogger("tandem.engine_core")
 
 STARTUP_TIMEOUT_S = float(os.environ.get("TANDEM_STARTUP_TIMEOUT", "600"))
-CPU_MAX_BATCHED_TOKENS = 2048
-GPU_MAX_BATCHED_TOKENS = 8192
 
 
 class EngineCore(WorkerLink):
@@ -146,7 +144,7 @@ class EngineCore(WorkerLink):
         self.eos_token_id = h0.eos_token_id
         self.device = h0.device
         budget = self.config.max_num_batched_tokens or (
-            GPU_MAX_BATCHED_TOKENS if h0.device.startswith("cuda") else CPU_MAX_BATCHED_TOKENS
+            default_max_batched_tokens("cuda" if h0.device.startswith("cuda") else "cpu")
         )
         # the model's KV cache groups, from the per-layer KV spec every rank reports
         windows = {tuple(h.layer_windows) for h in hellos.values()}

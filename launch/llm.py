@@ -330,7 +330,7 @@ class LLM:
     def _detokenizers(self, results: list[RequestOutput]) -> list[Any]:
         if self.tokenizer is None:
             return []
-        from launch.tokenizer import IncrementalDetokenizer
+        from launch.detokenizer import IncrementalDetokenizer
 
         return [IncrementalDetokenizer(self.tokenizer) for _ in results]
 

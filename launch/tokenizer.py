@@ -19,10 +19,9 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from launch.detokenizer import IncrementalDetokenizer
 from workers.model.paths import DUMMY_PREFIX, resolve_model
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 

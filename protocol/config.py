@@ -8,6 +8,15 @@ import msgspec
 # device's memory, see workers/runner/memory_profile.py).
 CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
+# The token budget per step when max_num_batched_tokens is not given: the scheduler plans
+# steps up to it, and the workers' memory profile runs a step of that size.
+CPU_MAX_BATCHED_TOKENS = 2048
+GPU_MAX_BATCHED_TOKENS = 8192
+
+
+def default_max_batched_tokens(device_type: str) -> int:
+    return GPU_MAX_BATCHED_TOKENS if device_type == "cuda" else CPU_MAX_BATCHED_TOKENS
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     """All engine options; the launcher flags and LLM(...) keyword arguments map 1:1 onto these."""

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from bench_common import make_prompts, sampling_params, scheduler_summary, start_llm
-from bench_serve import Record, arrival_offsets, run_load, run_one, summarize
 from openai_http import Target, get_json, request
+from serve_load import Record, arrival_offsets, run_load, run_one, summarize
 
 DEFAULT_VOCAB = 32000
 

@@ -241,7 +241,8 @@ class Generation:
             return None  # ended here already (a stop string) and aborted in the engine
         text = ""
         if new_ids:
-            self.metrics.on_tokens(c, len(new_ids), ts)
+            self.metrics.on_tokens(len(new_ids), ts, c.arrival, c.last_token_ts)
+            c.last_token_ts = ts
             c.token_ids.extend(new_ids)
             if new_logprobs:
                 c.logprobs.extend(new_logprobs)
@@ -260,7 +261,8 @@ class Generation:
         if c.finish_reason is not None:
             self._unfinished -= 1
             # a prompt's tokens are counted once, however many samples it has
-            self.metrics.on_finish(c, ts, count_prompt=c.index % self.n == 0)
+            prompt_tokens = len(c.prompt_ids) if c.index % self.n == 0 else 0
+            self.metrics.on_finish(ts, c.arrival, prompt_tokens, c.finish_reason)
         if text:
             c.text.append(text)
         if not new_ids and c.finish_reason is None:

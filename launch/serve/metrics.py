@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from launch.serve.generation import Choice
     from protocol.messages import HealthReport
 
 _LATENCY_BUCKETS = (
@@ -64,21 +63,25 @@ class ServerMetrics:
         self._prompt = self.prompt_tokens.labels(**self._labels)
         self._gone = self.client_aborts.labels(**self._labels)  # exported from 0 on
 
-    def on_tokens(self, c: Choice, n: int, ts: float) -> None:
-        if c.last_token_ts is None:
-            self._ttft.observe(max(0.0, ts - c.arrival))
+    def on_tokens(self, n: int, ts: float, arrival: float, last_token_ts: float | None) -> None:
+        """n tokens of one choice arrived at ts; last_token_ts: the choice's previous tokens
+        (None: these are its first)."""
+        if last_token_ts is None:
+            self._ttft.observe(max(0.0, ts - arrival))
         else:
-            gap = max(0.0, ts - c.last_token_ts) / n  # speculative steps bring several at once
+            gap = max(0.0, ts - last_token_ts) / n  # speculative steps bring several at once
             for _ in range(n):
                 self._itl.observe(gap)
-        c.last_token_ts = ts
         self._gen.inc(n)
 
-    def on_finish(self, c: Choice, ts: float, count_prompt: bool) -> None:
-        self._e2e.observe(max(0.0, ts - c.arrival))
-        if count_prompt:
-            self._prompt.inc(len(c.prompt_ids))
-        self.finished.labels(finished_reason=c.finish_reason or "unknown", **self._labels).inc()
+    def on_finish(self, ts: float, arrival: float, prompt_tokens: int,
+                  finish_reason: str | None) -> None:
+        """A choice finished; prompt_tokens is counted once per request (0 for its other
+        choices)."""
+        self._e2e.observe(max(0.0, ts - arrival))
+        if prompt_tokens:
+            self._prompt.inc(prompt_tokens)
+        self.finished.labels(finished_reason=finish_reason or "unknown", **self._labels).inc()
 
     def on_client_gone(self, n: int) -> None:
         self._gone.inc(n)

@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from launch.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from launch.detokenizer import IncrementalDetokenizer
+from launch.tokenizer import Tokenizer, load_tokenizer
 
 IM_START, IM_END = 1, 2
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

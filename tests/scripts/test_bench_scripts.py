@@ -26,6 +26,7 @@ sys.path.insert(0, SCRIPTS)
 
 import bench_common  # noqa: E402
 import bench_serve  # noqa: E402
+import serve_load  # noqa: E402
 
 TINY = ["--model", "dummy:micro", "--kv-cache-memory", "16M", "--input-len", "8",
         "--output-len", "4"]  # fmt: skip
@@ -108,11 +109,11 @@ def test_breakdown_summary_non_forward_fraction() -> None:
 
 
 def test_arrivals_and_slo_parsing() -> None:
-    assert bench_serve.arrival_offsets(4, math.inf, 1.0, 0) == [0.0] * 4
-    offs = bench_serve.arrival_offsets(4000, 50.0, 1.0, 0)
+    assert serve_load.arrival_offsets(4, math.inf, 1.0, 0) == [0.0] * 4
+    offs = serve_load.arrival_offsets(4000, 50.0, 1.0, 0)
     assert offs == sorted(offs) and offs[0] == 0.0
     assert offs[-1] / (len(offs) - 1) == pytest.approx(1 / 50, rel=0.1)  # mean gap = 1 / rate
-    bursty = bench_serve.arrival_offsets(4000, 50.0, 0.25, 0)
+    bursty = serve_load.arrival_offsets(4000, 50.0, 0.25, 0)
     assert bursty[-1] / (len(bursty) - 1) == pytest.approx(1 / 50, rel=0.2)
     assert bench_serve.parse_slo("ttft=200,tpot=50") == {"ttft": 200.0, "tpot": 50.0}
     with pytest.raises(Exception, match="bad SLO"):

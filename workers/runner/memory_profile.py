@@ -23,18 +23,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from protocol.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from protocol.config import CPU_KV_CACHE_MEMORY, EngineConfig, default_max_batched_tokens
 
 if TYPE_CHECKING:
     from workers.model.llama import LlamaForCausalLM
-    from workers.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("tandem.memory")
-
-# The engine core's default token budget per step (engine_core/core.py; workers cannot import
-# engine_core): the profile run must cover the largest step the scheduler can plan.
-CPU_MAX_BATCHED_TOKENS = 2048
-GPU_MAX_BATCHED_TOKENS = 8192
 
 MiB = 1024 * 1024
 
@@ -197,22 +191,19 @@ def cuda_profile_peak(model: LlamaForCausalLM, num_tokens: int, max_model_len: i
     return max(peak, 0)
 
 
-def plan_for_runner(runner: ModelRunner) -> KVCachePlan:
-    """ModelRunner.init_kv_cache's sizing: the plan for this rank, logged once."""
-    model = runner.model
-    assert model is not None
-    device = runner.device
-    config = runner.config
-    budget = config.max_num_batched_tokens or (
-        GPU_MAX_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_BATCHED_TOKENS)
+def plan_for_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.device,
+                   block_size: int, max_model_len: int, rank: int) -> KVCachePlan:
+    """A loaded model's KV cache sizing on this rank (what the model runner allocates),
+    logged once."""
+    budget = config.max_num_batched_tokens or default_max_batched_tokens(device.type)
     plan = plan_kv_cache(
         config,
         device_type=device.type,
-        bytes_per_block=model.kv_cache_bytes_per_block(runner.block_size),
+        bytes_per_block=model.kv_cache_bytes_per_block(block_size),
         weights_bytes=weights_bytes(model),
         mem_get_info=lambda: torch.cuda.mem_get_info(device),
-        profile_peak=lambda: cuda_profile_peak(model, budget, runner.max_model_len,
-                                               config.max_num_seqs, runner.block_size, device),
+        profile_peak=lambda: cuda_profile_peak(model, budget, max_model_len,
+                                               config.max_num_seqs, block_size, device),
     )
-    logger.info("%s", plan.log_line(runner.dist.rank, str(device)))
+    logger.info("%s", plan.log_line(rank, str(device)))
     return plan

@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from protocol.codec import pack, pack_f32
-from protocol.config import EngineConfig
+from protocol.config import GPU_MAX_BATCHED_TOKENS, EngineConfig
 from protocol.kv_transfer import KVLoadResult
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from workers.attention.reference import AttentionMetadata
 from workers.parallel.distributed import DistEnv, tp_all_reduce_min
 from workers.runner.input_batch import BatchInputs, InputBatch
 from workers.runner.input_staging import InputStaging
-from workers.runner.memory_profile import GPU_MAX_BATCHED_TOKENS
+from workers.runner.memory_profile import KVCachePlan, plan_for_model
 from workers.sample.sampler import GREEDY_EPS, Sampler, tokens_checksum
 from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
 
@@ -113,16 +113,21 @@ class ModelRunner:
                                       1 + self.config.num_speculative_tokens)
         self.graphs.capture()
 
+    def plan_kv_cache(self) -> KVCachePlan:
+        """This rank's KV cache sizing for the loaded model (what init_kv_cache allocates)."""
+        if self.model is None:
+            raise RuntimeError("load_model() must run before plan_kv_cache()")
+        return plan_for_model(self.model, self.config, self.device, self.block_size,
+                              self.max_model_len, self.dist.rank)
+
     def init_kv_cache(self) -> int:
         """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
         if self.model is None:
             raise RuntimeError("load_model() must run before init_kv_cache()")
         if self.num_blocks:
             raise RuntimeError("the KV cache is allocated once")
-        from workers.runner.memory_profile import plan_for_runner
-
         # overrides, the CPU budget, or on CUDA a profile forward and gpu_memory_utilization
-        num_blocks = plan_for_runner(self).num_blocks
+        num_blocks = self.plan_kv_cache().num_blocks
         self.model.allocate_kv_cache(num_blocks, self.block_size)
         self.num_blocks = num_blocks
         if self.config.kv_offload_memory > 0:

@@ -106,7 +106,6 @@ def test_profile_forward_runs_and_leaves_the_model_usable() -> None:
                     reason="needs a CUDA GPU: sizes the KV cache from the device's memory")
 def test_gpu_memory_utilization_on_the_device() -> None:
     from workers.parallel.distributed import DistEnv
-    from workers.runner.memory_profile import plan_for_runner
     from workers.runner.model_runner import ModelRunner
 
     config = EngineConfig(model="dummy:qwen2-0.5b", dtype="bfloat16", max_model_len=4096,
@@ -115,7 +114,7 @@ def test_gpu_memory_utilization_on_the_device() -> None:
                    backend="nccl")
     runner = ModelRunner(config, dist)
     runner.load_model()
-    plan = plan_for_runner(runner)
+    plan = runner.plan_kv_cache()
     assert runner.model is not None and plan.peak_activation_bytes is not None
     runner.model.allocate_kv_cache(plan.num_blocks, config.block_size)
     free, total = torch.cuda.mem_get_info()
