@@ -28,7 +28,7 @@ from engine_core.sched.scheduler import Scheduler
 from engine_core.step_timeline import StepTimeline
 from engine_core.validation import validate_prompt, validate_sampling
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
-from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack, worker_decoder
+from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack
 from protocol.config import EngineConfig, default_max_batched_tokens
 from protocol.kv_cache_spec import kv_cache_groups
 from protocol.messages import (
@@ -59,27 +59,22 @@ logger = logging.getLogger("tandem.engine_core")
 STARTUP_TIMEOUT_S = float(os.environ.get("TANDEM_STARTUP_TIMEOUT", "600"))
 
 
-class EngineCore(WorkerLink):
+class EngineCore:
     def __init__(self, config: EngineConfig, endpoints: Endpoints, world_size: int) -> None:
         self.config = config
         self.world_size = world_size
         secret = secret_from_env()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        # Frontend sockets stay local (ipc or loopback); worker sockets may be tcp across nodes.
+        # Frontend sockets stay local (ipc or loopback).
         self.req_sock = make_socket(
             self.ctx, zmq.PULL, endpoints.requests, bind=True, secret=secret
         )
         self.out_sock = make_socket(
             self.ctx, zmq.PUSH, endpoints.outputs, bind=True, secret=secret, linger_ms=1000
         )
-        self.pub = make_socket(self.ctx, zmq.PUB, endpoints.broadcast, bind=True, secret=secret)
-        self.results = make_socket(self.ctx, zmq.PULL, endpoints.results, bind=True, secret=secret)
+        self.link = WorkerLink(self.ctx, endpoints, secret, config, world_size)
         self.encoder = Encoder()
         self.frontend_dec = frontend_decoder(config.max_frame_bytes)
-        self.worker_dec = worker_decoder(config.max_frame_bytes)
-        self.last_seen = [time.monotonic()] * world_size
-        self.last_ping = 0.0
-        self.ping_nonce = 0
         self.inflight: set[str] = set()
         self.steps = 0
         self.timeline = StepTimeline()
@@ -90,8 +85,6 @@ class EngineCore(WorkerLink):
         self.in_flight = deque()
         self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
-        self.parent_pid = os.getppid()
-        self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks on this host
 
     # ------------------------------------------------------------------ start-up
 
@@ -105,8 +98,8 @@ class EngineCore(WorkerLink):
             # A rank that said hello is already listening and exits after CORE_SILENCE_S
             # without a message: keep it fed while slower ranks still load. These are sync
             # pings, so their answers also count for the sync below.
-            self.pub.send(self.encoder.encode(HealthPing(nonce)))
-            msg = self._recv_worker(deadline)
+            self.link.pub.send(self.encoder.encode(HealthPing(nonce)))
+            msg = self.link.recv(deadline)
             if msg is None:
                 continue
             if isinstance(msg, WorkerHello):
@@ -119,24 +112,24 @@ class EngineCore(WorkerLink):
             elif isinstance(msg, WorkerReady):
                 ready.add(msg.rank)
             elif isinstance(msg, WorkerError):
-                raise EngineFatal(self._describe_error(msg))
+                raise EngineFatal(self.link.describe_error(msg))
         # Slow joiners: PUB drops what a not-yet-connected SUB would have got, so publish sync
         # pings until every rank has answered one.
         while len(ready) < self.world_size:
-            self.pub.send(self.encoder.encode(HealthPing(nonce)))
-            frame = recv_frame(self.results, 20)
+            self.link.pub.send(self.encoder.encode(HealthPing(nonce)))
+            frame = recv_frame(self.link.results, 20)
             if time.monotonic() > deadline:
                 raise EngineFatal(f"only ranks {sorted(ready)} answered the start-up sync")
             if frame is None:
                 continue
-            msg = self._decode_worker(frame)
+            msg = self.link.decode(frame)
             if isinstance(msg, WorkerReady):
                 ready.add(msg.rank)
             elif isinstance(msg, WorkerError):
-                raise EngineFatal(self._describe_error(msg))
+                raise EngineFatal(self.link.describe_error(msg))
         # Ranks on this host, so a broken collective can be traced to the rank that died.
         here = socket.gethostname()
-        self.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
+        self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         h0 = hellos[0]
         self.num_blocks = min(h.num_blocks for h in hellos.values())
         self.vocab_size = h0.vocab_size
@@ -174,7 +167,7 @@ class EngineCore(WorkerLink):
             kv_cache_groups=groups,
             offload=offload,
         )
-        self.last_seen = [time.monotonic()] * self.world_size
+        self.link.last_seen = [time.monotonic()] * self.world_size
         logger.info(
             "engine ready: %d ranks on %s, %d KV blocks of %d tokens, KV cache groups %s",
             self.world_size,
@@ -201,9 +194,9 @@ class EngineCore(WorkerLink):
             busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
             self._poll_frontend(0 if busy else int(PING_INTERVAL_S * 1000))
             if not self.in_flight:
-                self._drain_results()  # idle: the workers' pongs must still count
-            self._maybe_ping()
-            self._check_alive()
+                self.link.drain()  # idle: the workers' pongs must still count
+            self.link.maybe_ping()
+            self.link.check_alive()
             if self.shutdown_requested:
                 break
             self._flush(self.scheduler.take_outputs())
@@ -226,7 +219,7 @@ class EngineCore(WorkerLink):
             t1 = time.perf_counter()
             frame = self.encoder.encode(so)
             t2 = time.perf_counter()
-            self.pub.send(frame, copy=False)
+            self.link.pub.send(frame, copy=False)
             in_flight.append((so, (t0, t1, t2, time.perf_counter()), len(frame)))
             if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
                 return  # the first step of a burst: plan the next one before waiting
@@ -265,12 +258,12 @@ class EngineCore(WorkerLink):
         # with two steps in flight a fast rank may answer step k+1 before a slow one answers k
         got = self.early_outputs.pop(step_id, {})
         while len(got) < need:
-            frame = recv_frame(self.results, int(PING_INTERVAL_S * 1000))
-            self._maybe_ping()
-            self._check_alive()
+            frame = recv_frame(self.link.results, int(PING_INTERVAL_S * 1000))
+            self.link.maybe_ping()
+            self.link.check_alive()
             if frame is None:
                 continue
-            msg = self._decode_worker(frame)
+            msg = self.link.decode(frame)
             if isinstance(msg, ModelRunnerOutput):
                 if msg.step_id > step_id and any(
                     s.step_id == msg.step_id for s, _, _ in self.in_flight
@@ -284,7 +277,7 @@ class EngineCore(WorkerLink):
                     )
                 got[msg.rank] = msg
             elif isinstance(msg, WorkerError):
-                raise EngineFatal(self._describe_error(msg))
+                raise EngineFatal(self.link.describe_error(msg))
         if need > 1:
             sums = {r: o.checksum for r, o in got.items()}
             if len(set(sums.values())) != 1:
@@ -318,7 +311,7 @@ class EngineCore(WorkerLink):
             self._send_frontend(self._health(msg.nonce))
         elif isinstance(msg, ProfileRequest):
             if msg.torch_profiler:
-                self.pub.send(self.encoder.encode(ProfileControl(msg.enable, msg.trace_dir)))
+                self.link.pub.send(self.encoder.encode(ProfileControl(msg.enable, msg.trace_dir)))
             if msg.enable:
                 self.timeline.start()
             else:
@@ -391,8 +384,8 @@ class EngineCore(WorkerLink):
         stats = self.scheduler.get_stats()
         return HealthReport(
             nonce=nonce,
-            alive=[now - t < self.config.worker_timeout_s for t in self.last_seen],
-            last_seen_s=[now - t for t in self.last_seen],
+            alive=[now - t < self.config.worker_timeout_s for t in self.link.last_seen],
+            last_seen_s=[now - t for t in self.link.last_seen],
             steps=self.steps,
             num_running=int(stats.get("num_running", 0)),
             num_waiting=int(stats.get("num_waiting", 0)),
@@ -421,11 +414,11 @@ class EngineCore(WorkerLink):
         if scheduler is not None:
             scheduler.close()  # finishes the scheduler trace file
         try:
-            self.pub.send(self.encoder.encode(Shutdown(reason)))
+            self.link.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:
             pass
-        for s in (self.req_sock, self.pub, self.results):
-            s.close(0)
+        self.req_sock.close(0)
+        self.link.close()
         self.out_sock.close(1000)
 
 

@@ -1,7 +1,7 @@
-"""The engine core's side of the worker link: reading and decoding what the ranks send,
-health pings, and naming a rank that died, hung or failed.
+"""The engine core's side of the worker link: the broadcast and results sockets, reading and
+decoding what the ranks send, health pings, and naming a rank that died, hung or failed.
 
-EngineCore inherits these; they need only the sockets and bookkeeping annotated below.
+EngineCore owns one WorkerLink; the scheduler never sees the sockets.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 import msgspec
 import zmq
 
-from protocol.codec import Decoder, Encoder, ProtocolError
+from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
 from protocol.liveness import process_running
-from protocol.messages import HealthPing, WorkerError, WorkerMessage
-from protocol.transport import recv_frame
+from protocol.messages import HealthPing, WorkerError
+from protocol.transport import Endpoints, make_socket, recv_frame
 
 PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
 # How long a worker error waits to see whether a peer rank died (the usual cause of a broken
@@ -31,28 +31,38 @@ class EngineFatal(RuntimeError):
 
 
 class WorkerLink:
-    config: EngineConfig
-    world_size: int
-    results: zmq.Socket[bytes]
-    pub: zmq.Socket[bytes]
-    encoder: Encoder
-    worker_dec: Decoder[WorkerMessage]
-    last_seen: list[float]
-    last_ping: float
-    ping_nonce: int
-    parent_pid: int
-    local_pids: dict[int, int]  # rank -> pid, for ranks on this host
+    """PUB to every rank (steps, pings, control), PULL from every rank (results, pongs,
+    errors), and what the engine knows of each rank's liveness."""
 
-    def _recv_worker(self, deadline: float) -> msgspec.Struct | None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoints: Endpoints,
+                 secret: bytes | None, config: EngineConfig, world_size: int) -> None:
+        self.config = config
+        self.world_size = world_size
+        # worker sockets may be tcp across nodes
+        self.pub = make_socket(ctx, zmq.PUB, endpoints.broadcast, bind=True, secret=secret)
+        self.results = make_socket(ctx, zmq.PULL, endpoints.results, bind=True, secret=secret)
+        self.encoder = Encoder()
+        self.worker_dec = worker_decoder(config.max_frame_bytes)
+        self.last_seen = [time.monotonic()] * world_size
+        self.last_ping = 0.0
+        self.ping_nonce = 0
+        self.parent_pid = os.getppid()
+        self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks on this host
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.results.close(0)
+
+    def recv(self, deadline: float) -> msgspec.Struct | None:
         """One worker message, or None after 200 ms without one."""
         if time.monotonic() > deadline:
             raise EngineFatal("timed out waiting for the workers to start")
         if os.getppid() != self.parent_pid:
             raise EngineFatal("the frontend process died")
         frame = recv_frame(self.results, 200)
-        return None if frame is None else self._decode_worker(frame)
+        return None if frame is None else self.decode(frame)
 
-    def _decode_worker(self, frame: bytes) -> msgspec.Struct:
+    def decode(self, frame: bytes) -> msgspec.Struct:
         try:
             msg = self.worker_dec.decode(frame)
         except ProtocolError as e:
@@ -62,23 +72,23 @@ class WorkerLink:
             self.last_seen[rank] = time.monotonic()
         return msg
 
-    def _drain_results(self) -> None:
+    def drain(self) -> None:
         """Read what the workers sent while no step was in flight (health pongs) so that
         last_seen stays fresh: without it an idle engine declared its ranks hung after
         worker_timeout_s. A rank's error report ends the engine as it does during a step."""
         while (frame := recv_frame(self.results, 0)) is not None:
-            msg = self._decode_worker(frame)
+            msg = self.decode(frame)
             if isinstance(msg, WorkerError):
-                raise EngineFatal(self._describe_error(msg))
+                raise EngineFatal(self.describe_error(msg))
 
-    def _maybe_ping(self) -> None:
+    def maybe_ping(self) -> None:
         now = time.monotonic()
         if now - self.last_ping >= PING_INTERVAL_S:
             self.last_ping = now
             self.ping_nonce += 1
             self.pub.send(self.encoder.encode(HealthPing(self.ping_nonce)))
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if os.getppid() != self.parent_pid:
             raise EngineFatal("the frontend process died")
         now = time.monotonic()
@@ -93,7 +103,7 @@ class WorkerLink:
                 "collective stalls its peers too"
             )
 
-    def _describe_error(self, msg: WorkerError) -> str:
+    def describe_error(self, msg: WorkerError) -> str:
         text = f"worker rank {msg.rank} failed: {msg.message}"
         if msg.traceback:
             text += "\n" + msg.traceback

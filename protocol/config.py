@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # bytes of K+V per rank; None means "the device default": 256 MiB on CPU, and on CUDA what
     # gpu_memory_utilization leaves after the weights and a profile forward
     kv_cache_memory: int | None = None
-    # tiered KV cache (issue 19): host bytes per rank for blocks evicted from the device pool
+    # tiered KV cache: host bytes per rank for blocks evicted from the device pool
     # (0 = off), and an optional disk tier (a directory; bytes per rank) behind it
     kv_offload_memory: int = 0
     kv_offload_disk: str | None = None
@@ -112,7 +112,7 @@ def config_error(config: EngineConfig) -> str | None:
 
 
 def _kv_offload_error(config: EngineConfig) -> str | None:
-    """The offload tiers' options (issue 19)."""
+    """The offload tiers' options."""
     if config.kv_offload_memory < 0:
         return f"kv_offload_memory must be >= 0 bytes, got {config.kv_offload_memory}"
     if config.kv_offload_disk_size < 0:

@@ -1,4 +1,4 @@
-"""Wire form of the KV offload tiers' block copies (issue 19).
+"""Wire form of the KV offload tiers' block copies.
 
 The scheduler owns the tier accounting and names every copy; the workers only execute them.
 One step's copies travel as one ``KVTransfers`` (a field of the step plan), O(copies): a steady

@@ -8,7 +8,7 @@ on Linux, so two processes can compare it).
 
     python scripts/profile_ipc.py [--json] [--quick]
 
-With --json the last line of stdout is one JSON object (keys named in issue 3).
+With --json the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # registered blocks per group (the trace's "cached"), kept exact on register / evict
         self.num_cached_blocks = [0] * num_groups
-        # the KV offload tiers (issue 19): a cached block that is reused for another one is
+        # the KV offload tiers: a cached block that is reused for another one is
         # offered to the host tier first, so its prefix can come back without a prefill
         self.offload = offload
 

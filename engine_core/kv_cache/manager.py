@@ -49,7 +49,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks  # including the null block
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # the KV offload tiers behind the device pool (issue 19); None: evicted prefixes are
+        # the KV offload tiers behind the device pool; None: evicted prefixes are
         # gone, as without --kv-offload-memory
         self.offload = offload
         self.block_pool = BlockPool(num_blocks, enable_caching, self.num_groups, offload)

@@ -1,4 +1,4 @@
-"""Tiered KV cache accounting (issue 19): host memory and disk tiers behind the device pool.
+"""Tiered KV cache accounting: host memory and disk tiers behind the device pool.
 
 The scheduler side owns every decision (which block goes to which slot, what is evicted) and
 names the copies; the workers execute them (workers/kv_offload/host_pool.py). Wire form of the

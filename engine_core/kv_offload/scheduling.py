@@ -1,4 +1,4 @@
-"""The Scheduler's use of the KV offload tiers (issue 19), kept out of sched/scheduler.py.
+"""The Scheduler's use of the KV offload tiers, kept out of sched/scheduler.py.
 
 Three moments of a step touch the tiers:
 

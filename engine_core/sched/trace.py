@@ -14,7 +14,7 @@ planned before step k's output is applied, and arrivals fall in between).
   finish   a request ended: reason, output length and output token ids (what a replay's fake
            model must produce)
 
-With the KV offload tiers (issue 19) the header names their sizes ("kv_offload") and each step
+With the KV offload tiers the header names their sizes ("kv_offload") and each step
 record carries the tiers' counts ("kv_offload": hits, copies per direction and occupancy, all
 decisions) and, when the workers reported disk reads with the step's output, the report
 ("kv_load": [done host slots, failed host slots]): read times are the disk's, so a replay

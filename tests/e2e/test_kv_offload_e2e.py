@@ -1,4 +1,4 @@
-"""KV offload tiers end to end (issue 19): greedy tokens equal transformers' generate while
+"""KV offload tiers end to end: greedy tokens equal transformers' generate while
 the device pool is far smaller than the workload and evicted prefixes come back from the
 host tier (and the disk tier).
 

@@ -1,4 +1,4 @@
-"""The KV offload options (issue 19): launcher flags -> EngineConfig fields, and the option
+"""The KV offload options: launcher flags -> EngineConfig fields, and the option
 combinations config_error refuses before anything starts."""
 
 from __future__ import annotations

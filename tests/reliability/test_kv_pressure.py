@@ -35,7 +35,7 @@ def _run(prompts: list[list[int]], tmp: Path, **opts) -> tuple[list[list[int]], 
     sp = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
     # On CPU everywhere: the test is about the scheduler under KV pressure, and it compares
     # greedy tokens of runs whose batches differ (preemption recomputes in other batch shapes),
-    # which only CPU kernels keep bitwise identical; on a GPU the comparison failed (issue 16).
+    # which only CPU kernels keep bitwise identical; on a GPU the comparison failed.
     opts.setdefault("device", "cpu")
     with LLM("dummy:micro", 1, load_tokenizer=False, startup_timeout_s=120, **opts) as llm:
         outs = llm.generate(prompts, sp, use_tqdm=False, timeout_s=300)

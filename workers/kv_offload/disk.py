@@ -1,4 +1,4 @@
-"""Disk tier of the KV offload (issue 19): one file per disk slot, read and written by a small
+"""Disk tier of the KV offload: one file per disk slot, read and written by a small
 thread pool so the engine step never blocks on the disk.
 
 Each rank keeps its own shard of every block under ``DIR/rank<R>/slot-<N>.kvb``. A record is

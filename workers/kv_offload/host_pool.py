@@ -1,4 +1,4 @@
-"""Worker side of the KV offload tiers (issue 19): this rank's host pool and the executor of
+"""Worker side of the KV offload tiers: this rank's host pool and the executor of
 the copies the scheduler names in each step (protocol/kv_transfer.py).
 
 The host pool holds this rank's shard of each offloaded block for every KV cache tensor:

@@ -59,7 +59,7 @@ class ModelRunner:
         # the decode-step graphs.
         self.staging: InputStaging | None = None
         self.graphs: CudaGraphRunner | None = None
-        # the KV offload tiers (issue 19): host pool (+ disk store) and the executor of the
+        # the KV offload tiers: host pool (+ disk store) and the executor of the
         # copies each step names; None without --kv-offload-memory
         self.kv_offload: KVOffloadExecutor | None = None
         self.num_host_blocks = 0
