@@ -8,6 +8,7 @@ knows the fused layouts; the layers only compute.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,31 +52,57 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+KernelPath = Literal["cpu", "triton", "torch"]
+
+
+def kernel_path(device: torch.device, dtype: torch.dtype) -> KernelPath:
+    """The implementation a layer's fused elementwise ops take on this device and dtype,
+    chosen when the layer is built: the C++ kernels on CPU, Triton on CUDA, else torch ops."""
+    if device.type == "cpu" and cpu_ops.active(torch.empty(0, dtype=dtype)):
+        return "cpu"
+    if device.type == "cuda" and triton_ops.available():
+        return "triton"
+    return "torch"
+
+
+def reselect_kernels(model: nn.Module) -> None:
+    """Choose every layer's kernel path again (after cpu_ops.ENABLED changed: tests compare
+    the kernels against the torch ops on one model)."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, SiluAndMul)):
+            m.select_kernels()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.select_kernels()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_ops.active(x) and x.dim() == 2:
-            return cpu_ops.rms_norm(x, self.weight, self.eps)
-        if triton_ops.applies(x) and x.dim() == 2 and x.stride(-1) == 1:
+    def select_kernels(self) -> None:
+        self.path = kernel_path(self.weight.device, self.weight.dtype)
+        if self.path == "triton":
             from workers.triton_ops import norm_act
 
-            return norm_act.rms_norm(x, self.weight, self.eps)
+            self._triton_norm = norm_act.rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "cpu" and x.dim() == 2:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        if self.path == "triton" and x.dim() == 2 and x.stride(-1) == 1:
+            return self._triton_norm(x, self.weight, self.eps)
         return self.forward_torch(x)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, norm(h + delta)); the kernel paths add in place, one pass for both."""
-        if cpu_ops.active(h) and h.dim() == 2 and h.is_contiguous():
+        if self.path == "cpu" and h.dim() == 2 and h.is_contiguous():
             return h, cpu_ops.rms_norm(h, self.weight, self.eps, residual=delta)
-        if triton_ops.applies(h) and h.dim() == 2 and h.is_contiguous() and delta.stride(-1) == 1:
-            from workers.triton_ops import norm_act
-
-            return h, norm_act.rms_norm(h, self.weight, self.eps, residual=delta)
+        if (self.path == "triton" and h.dim() == 2 and h.is_contiguous()
+                and delta.stride(-1) == 1):
+            return h, self._triton_norm(h, self.weight, self.eps, residual=delta)
         h = h + delta
         return h, self.forward_torch(h)
 
@@ -87,15 +114,32 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2 * C] = [gate | up] -> silu(gate) * up, one fused kernel where one applies."""
-    if gate_up.dim() == 2 and cpu_ops.active(gate_up):
-        return cpu_ops.silu_and_mul(gate_up)
-    if gate_up.dim() == 2 and triton_ops.applies(gate_up) and gate_up.stride(-1) == 1:
-        from workers.triton_ops import norm_act
-
-        return norm_act.silu_and_mul(gate_up)
+    """[N, 2 * C] = [gate | up] -> silu(gate) * up in torch ops (the reference)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up as one fused kernel where one applies, chosen when built."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.dtype, self.device = dtype, device
+        self.select_kernels()
+
+    def select_kernels(self) -> None:
+        self.path = kernel_path(self.device, self.dtype)
+        if self.path == "triton":
+            from workers.triton_ops import norm_act
+
+            self._triton = norm_act.silu_and_mul
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.path == "cpu" and gate_up.dim() == 2:
+            return cpu_ops.silu_and_mul(gate_up)
+        if self.path == "triton" and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self._triton(gate_up)
+        return silu_and_mul(gate_up)
 
 
 class VocabParallelEmbedding(nn.Module):

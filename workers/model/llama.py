@@ -28,9 +28,9 @@ from workers.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    SiluAndMul,
     VocabParallelEmbedding,
     pad_to_multiple,
-    silu_and_mul,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,9 +124,10 @@ class LlamaMLP(nn.Module):
                                                  device)
         self.down_proj = RowParallelLinear(lay.inter, cfg.hidden_size, False, tp_rank, dtype,
                                            device)
+        self.act = SiluAndMul(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def load(self, src: WeightSource, prefix: str) -> None:
         s, e = self.lay.inter_start, self.lay.inter_start + self.lay.inter

@@ -8,6 +8,7 @@ import torch
 from tests.helpers.paged import Seq, run_step
 from workers import cpu_ops
 from workers.attention import reference
+from workers.model.layers import reselect_kernels
 from workers.model.loader import load_model
 
 TOL = 1e-4  # fp32: different matmul shapes round differently
@@ -20,13 +21,14 @@ def model():
 
 
 @pytest.fixture(autouse=True, params=["kernels", "sdpa", "reference"])
-def attention_path(request, monkeypatch):
+def attention_path(request, monkeypatch, model):
     """Every test runs on the CPU kernels (SDPA for long prefill chunks), on torch's fused SDPA
     path alone, and on the plain matmul/softmax path."""
     if request.param == "kernels" and cpu_ops.ops() is None:
         pytest.skip("no C++ compiler: kernels off")
     monkeypatch.setattr(cpu_ops, "ENABLED", request.param == "kernels")
     monkeypatch.setattr(reference, "USE_SDPA", request.param != "reference")
+    reselect_kernels(model)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

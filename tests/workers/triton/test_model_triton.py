@@ -11,6 +11,7 @@ import torch
 from tests.helpers.paged import Seq, build_step, run_step
 from tests.workers.triton.common import DEVICE
 from workers import cpu_ops
+from workers.model.layers import reselect_kernels
 from workers.model.loader import load_model
 from workers.runner.input_batch import BatchInputs
 from workers.runner.input_staging import InputStaging
@@ -31,9 +32,11 @@ def models(request):
 
 
 @pytest.fixture(autouse=True)
-def torch_elementwise(monkeypatch):
+def torch_elementwise(monkeypatch, models):
     """Norms, rotary and the MLP on torch ops in both models, so only attention differs."""
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    for m in models[:2]:
+        reselect_kernels(m)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
