@@ -1,0 +1,1 @@
+"""Speculative decoding's scheduler side: n-gram draft proposals."""

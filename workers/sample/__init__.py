@@ -1,0 +1,1 @@
+"""Turning logits into tokens: the sampler, and verification of speculative drafts."""
