@@ -23,7 +23,7 @@ def finish_failed_requests(scheduler: Scheduler, out: ModelRunnerOutput) -> None
         return
     handles = unpack(out.failed_handles)
     for handle, reason in zip(handles, out.failed_reasons, strict=False):
-        req = scheduler._by_handle.get(handle)  # the handle map is the scheduler's own
+        req = scheduler.by_handle.get(handle)
         if req is None:  # finished or aborted since
             continue
         logger.warning("request %s failed in the workers: %s", req.request_id, reason)
