@@ -21,6 +21,7 @@ INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # workers keep temperature etc. in float32 arrays
 
 
 def _is_int(v: object) -> bool:
@@ -38,6 +39,8 @@ def sampling_error(sp: SamplingParams) -> tuple[str, str] | None:
         return "temperature", f"temperature must be a finite number, got {t!r}"
     if t < 0:
         return "temperature", f"temperature must be >= 0, got {t}"
+    if t > FLOAT32_MAX:
+        return "temperature", f"temperature must be <= {FLOAT32_MAX:.4g} (float32), got {t}"
     if not _finite(sp.top_p) or not 0.0 < sp.top_p <= 1.0:
         return "top_p", f"top_p must be in (0, 1], got {sp.top_p}"
     if not _is_int(sp.top_k) or sp.top_k < -1:
