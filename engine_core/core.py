@@ -24,9 +24,10 @@ import zmq
 
 from engine_core.kv_offload.scheduling import make_offload_manager
 from engine_core.request import Request, RequestStatus
+from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
 from engine_core.step_timeline import StepTimeline
-from engine_core.validation import validate_prompt, validate_sampling
+from engine_core.validation import validate_priority, validate_prompt, validate_sampling
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
 from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack
 from protocol.config import EngineConfig, default_max_batched_tokens
@@ -229,6 +230,7 @@ class EngineCore:
         trace = self.scheduler.trace
         if trace is not None:  # the step's wall time: schedule start to the model output
             trace.set_wall_time(so.step_id, t4 - t0)
+        finish_failed_requests(self.scheduler, out)
         outputs = self.scheduler.update_from_output(so, out)
         if self.config.debug_invariants:
             self.scheduler.check_invariants()
@@ -345,7 +347,11 @@ class EngineCore:
                 )
             )
             return
-        err = validate_sampling(msg.sampling_params) or validate_prompt(prompt, self.vocab_size)
+        err = (
+            validate_sampling(msg.sampling_params)
+            or validate_priority(msg.priority)
+            or validate_prompt(prompt, self.vocab_size)
+        )
         if err is not None:
             self._reject(msg.request_id, err)
             return

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from engine_core.validation import validate_priority, validate_sampling
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.messages import (
     AbortRequests,
@@ -104,6 +105,12 @@ class EngineClient:
             if request_id in self.tracked:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self.tracked[request_id] = tr
+        # the engine core's own checks, first here: a value msgpack cannot carry (an int past
+        # 64 bits) would otherwise raise in the encoder instead of failing this request
+        err = validate_sampling(params) or validate_priority(priority)
+        if err is not None:
+            self._finish_locally(tr, err)
+            return tr
         try:
             packed = pack(prompt_token_ids)
         except (OverflowError, TypeError) as e:

@@ -278,6 +278,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
     kv_load: KVLoadResult | None = None
     # this rank's time in the tiers' copies this step (on CUDA: issuing them), microseconds
     kv_copy_us: float = 0.0
+    # new requests this step whose state the workers could not build (packed int32), and why;
+    # the engine core finishes them with "error" and drops their tokens
+    failed_handles: bytes = b""
+    failed_reasons: list[str] = []
 
 
 class WorkerError(msgspec.Struct, array_like=True, tag=32, kw_only=True):

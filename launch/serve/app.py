@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from launch.client import EngineDeadError
+from launch.serve.body import parse_request, read_body
 from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
 from launch.serve.context import ServerContext
@@ -41,27 +41,12 @@ def _version() -> str:
         return "0.1.0"
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise bad_request(f"Content-Type must be application/json, got {ctype or 'none'!r}")
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from e
-    if not isinstance(data, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        parts = []
-        param = None
-        for err in e.errors(include_url=False):
-            loc = ".".join(str(x) for x in err["loc"])
-            param = param or (str(err["loc"][0]) if err["loc"] else None)
-            parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-        raise bad_request("; ".join(parts), param) from e
+    raw = await read_body(request, max_bytes)
+    return await parse_request(raw, model)
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -124,23 +109,23 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest, ctx.max_request_bytes)
         return await create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes)
         return await create_chat_completion(ctx, req, request)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> JSONResponse:
-        req = await parse_body(request, TokenizeRequest)
+        req = await parse_body(request, TokenizeRequest, ctx.max_request_bytes)
         ctx.check_model(req.model)
         if req.messages is not None:
-            ids = chat_prompt(ctx, req.messages, req.add_generation_prompt,
-                              req.add_special_tokens)
+            ids = await asyncio.to_thread(chat_prompt, ctx, req.messages,
+                                          req.add_generation_prompt, req.add_special_tokens)
         elif req.prompt is not None:
-            ids = ctx.encode(req.prompt, req.add_special_tokens)
+            ids = await asyncio.to_thread(ctx.encode, req.prompt, req.add_special_tokens)
         else:
             raise bad_request("give either `prompt` or `messages`", "prompt")
         return JSONResponse(
@@ -150,7 +135,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(request: Request) -> JSONResponse:
-        req = await parse_body(request, DetokenizeRequest)
+        req = await parse_body(request, DetokenizeRequest, ctx.max_request_bytes)
         ctx.check_model(req.model)
         tok = ctx.tokenizer
         if tok is None:

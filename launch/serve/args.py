@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from launch.args import add_engine_args, add_torchrun_args
+from launch.serve.body import DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,5 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
     g.add_argument(
         "--max-n", type=int, default=128, help="largest `n` (choices per prompt) accepted"
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body in bytes; a larger one is answered 413 "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES})",
     )
     return p

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -9,6 +10,7 @@ from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
+from launch.serve.field_checks import check_logprobs, check_messages
 from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dicts
@@ -27,6 +29,7 @@ def chat_prompt(
             "(or start the server with a --tokenizer that has one)",
             "messages",
         )
+    check_messages(messages)
     try:
         text = tok.render_chat(message_dicts(messages), add_generation_prompt)
     except ValueError as e:
@@ -51,13 +54,21 @@ async def create_chat_completion(
 ) -> Response:
     ctx.check_model(req.model)
     ctx.check_alive()
-    ids = chat_prompt(ctx, req.messages, req.add_generation_prompt, req.add_special_tokens)
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    check_logprobs(req.top_logprobs, "top_logprobs")
+    # templating and tokenizing are CPU work: off the event loop
+    ids = await asyncio.to_thread(
+        chat_prompt, ctx, req.messages, req.add_generation_prompt, req.add_special_tokens
+    )
+    # `is None`, not `or`: max_completion_tokens=0 is a value (refused), not "unset"
+    if req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = req.max_tokens, "max_tokens"
     if max_tokens is None:
         max_tokens = max(1, ctx.engine.max_model_len - len(ids))
     want_lp = req.logprobs
     top = req.top_logprobs or 0
-    gen = ctx.start_generation("chatcmpl", req, [ids], max_tokens, want_lp)
+    gen = ctx.start_generation("chatcmpl", req, [ids], max_tokens, want_lp, param)
     head = ctx.chunk_head(gen, "chat.completion.chunk")
     tok = ctx.tokenizer
     started: set[int] = set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -9,6 +10,7 @@ from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
+from launch.serve.field_checks import check_logprobs
 from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import CompletionRequest
@@ -48,7 +50,8 @@ async def create_completion(
 ) -> Response:
     ctx.check_model(req.model)
     ctx.check_alive()
-    prompts = completion_prompts(ctx, req)
+    check_logprobs(req.logprobs, "logprobs")
+    prompts = await asyncio.to_thread(completion_prompts, ctx, req)  # tokenizing: off the loop
     want_lp = req.logprobs is not None
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     gen = ctx.start_generation("cmpl", req, prompts, max_tokens, want_lp)

@@ -13,8 +13,15 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from launch.serve.body import DEFAULT_MAX_REQUEST_BYTES
 from launch.serve.engine import AsyncEngine
 from launch.serve.errors import APIError, bad_request
+from launch.serve.field_checks import (
+    check_logit_bias,
+    check_max_tokens,
+    check_prompt_chars,
+    max_token_chars,
+)
 from launch.serve.generation import Generation
 from launch.serve.metrics import ServerMetrics
 from launch.serve.schemas import SamplingFields
@@ -34,8 +41,10 @@ class ServerContext:
     model_path: str
     api_key: str | None = None
     max_n: int = 128
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
+    _prompt_chars: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.served_names[0])
@@ -57,6 +66,8 @@ class ServerContext:
             raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of `text`. Blocking (the tokenizer holds the GIL): call it from a worker
+        thread (asyncio.to_thread), never on the event loop."""
         tok = self.tokenizer
         if tok is None:
             raise bad_request(
@@ -64,15 +75,26 @@ class ServerContext:
                 "as the prompt, or start the server with --tokenizer",
                 param,
             )
+        # a text too long to fit is refused before the tokenizer spends time on all of it
+        check_prompt_chars(text, self.max_prompt_chars, self.engine.max_model_len, param)
         if add_special_tokens:
             return list(tok.encode(text))
         return list(tok.backend.encode(text, add_special_tokens=False).ids)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        if self._prompt_chars is None:
+            self._prompt_chars = self.engine.max_model_len * max_token_chars(self.tokenizer)
+        return self._prompt_chars
+
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int, logprobs: bool
+        self, req: SamplingFields, max_tokens: int, logprobs: bool,
+        max_tokens_param: str = "max_tokens",
     ) -> SamplingParams:
         if not 1 <= req.n <= self.max_n:
             raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", "n")
+        check_max_tokens(max_tokens, self.engine.max_model_len, max_tokens_param)
+        check_logit_bias(req.logit_bias, self.engine.vocab_size)
         d = SamplingParams()
         return SamplingParams(
             max_tokens=max_tokens,
@@ -91,7 +113,8 @@ class ServerContext:
         return req.request_id or f"{prefix}-{uuid.uuid4().hex}"
 
     def start_generation(self, id_prefix: str, req: SamplingFields, prompts: list[list[int]],
-                         max_tokens: int, logprobs: bool) -> Generation:
+                         max_tokens: int, logprobs: bool,
+                         max_tokens_param: str = "max_tokens") -> Generation:
         """A validated Generation of `prompts` with the request's sampling fields (shared by
         /v1/completions and /v1/chat/completions)."""
         gen = Generation(
@@ -99,7 +122,7 @@ class ServerContext:
             self.metrics,
             self.new_id(id_prefix, req),
             prompts,
-            self.sampling_params(req, max_tokens, logprobs),
+            self.sampling_params(req, max_tokens, logprobs, max_tokens_param),
             req.n,
             req.stop_list(),
             req.include_stop_str_in_output,

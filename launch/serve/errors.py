@@ -43,6 +43,11 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    # a message may quote the client's own text; lone surrogates in it must not make the
+    # error itself unencodable (a 500 in place of the 400)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {
         "error": {"message": message, "type": error_type(status), "param": param, "code": status}
     }

@@ -13,7 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.validation import validate_prompt, validate_sampling
+from engine_core.validation import (
+    derived_seed,
+    sampling_error,
+    validate_priority,
+    validate_prompt,
+)
 from launch.client import EngineDeadError
 from launch.detokenizer import IncrementalDetokenizer
 from launch.serve.engine import AsyncEngine, Event
@@ -98,9 +103,12 @@ class Generation:
 
     def validate(self) -> None:
         """The engine's own checks, run here first so a bad request is a 400 at once."""
-        err = validate_sampling(self.params)
+        err = sampling_error(self.params)
         if err is not None:
-            raise bad_request(err)
+            raise bad_request(err[1], err[0])
+        reason = validate_priority(self.priority)
+        if reason is not None:
+            raise bad_request(reason, "priority")
         seen: set[int] = set()
         for c in self.choices:
             if id(c.prompt_ids) in seen:
@@ -129,7 +137,7 @@ class Generation:
             params = self.params
             if c.index % self.n and params.seed is not None:
                 # n samples of one seeded request differ from each other but reproduce
-                params = _with_seed(params, params.seed + c.index % self.n)
+                params = _with_seed(params, derived_seed(params.seed, c.index % self.n))
             try:
                 c.arrival = self.engine.submit(
                     c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority
@@ -141,6 +149,10 @@ class Generation:
             except ValueError as e:
                 self.abort()
                 raise bad_request(str(e), "request_id") from e
+            except BaseException:
+                # whatever failed, no choice sent before it may run on without a client
+                self.abort()
+                raise
 
     def abort(self, client_gone: bool = False) -> None:
         """Abort every choice still running (client gone, or the response is done)."""

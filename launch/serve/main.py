@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             model_path=args.model,
             api_key=args.api_key,
             max_n=args.max_n,
+            max_request_bytes=args.max_request_bytes,
         )
         config = uvicorn.Config(
             build_app(ctx),

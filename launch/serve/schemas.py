@@ -43,6 +43,7 @@ class SamplingFields(_Open):
     priority: int = 0
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids next to the text of each choice
+    logit_bias: dict[str, float] | None = None  # typed so it is checked, not ignored
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -19,7 +19,8 @@ import torch
 
 from protocol.codec import ProtocolError, unpack_np
 from protocol.messages import SamplingParams, SchedulerOutput
-from workers.sample.sampler import SamplingMetadata, make_generator
+from workers.runner.request_guard import admit_sampling
+from workers.sample.sampler import SamplingMetadata
 from workers.sample.spec_decode import DraftLayout, ragged_arange
 
 
@@ -122,6 +123,8 @@ class InputBatch:
         self.num_rows = 0  # rows in use, holes included; == num_reqs once condensed
         self._holes: list[int] = []
         self.last_step_id = -1
+        # handles whose sampling state could not be built this step -> reason (request_guard)
+        self.failed: dict[int, str] = {}
         self._arange = np.arange(m + 1, dtype=np.int64)
         self._flat_tokens = self.token_ids.reshape(-1)  # views, for np.take
         self._flat_blocks = self.block_tables.reshape(-1)
@@ -266,8 +269,9 @@ class InputBatch:
         for nr in so.new_reqs:
             if nr.handle in self.states:
                 raise StateMismatchError(f"new handle {nr.handle} is already known")
-            sp = nr.sampling_params
-            gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+            sp, gen, err = admit_sampling(nr.sampling_params, self.device)
+            if err is not None:
+                self.failed[nr.handle] = err
             prompt = unpack_i32(nr.prompt_token_ids, "prompt_token_ids").astype(np.int32)
             st = CachedRequestState(nr.handle, prompt, sp, gen)
             self.states[nr.handle] = st

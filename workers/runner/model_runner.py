@@ -22,6 +22,7 @@ from workers.parallel.distributed import DistEnv, tp_all_reduce_min
 from workers.runner.input_batch import BatchInputs, InputBatch
 from workers.runner.input_staging import InputStaging
 from workers.runner.memory_profile import KVCachePlan, plan_for_model
+from workers.runner.request_guard import failed_fields, take_failed
 from workers.sample.sampler import GREEDY_EPS, Sampler, tokens_checksum
 from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
 
@@ -247,6 +248,11 @@ class ModelRunner:
         t3 = time.perf_counter()
 
         handles = batch.handles[inputs.sample_rows]
+        failed = take_failed(batch.failed)
+        checksum = None
+        if self.config.enable_checksum:  # failed handles count: ranks must agree on them too
+            checksum = tokens_checksum(sampled if failed is None else
+                                       np.concatenate([sampled, failed[0]]))
         return ModelRunnerOutput(
             step_id=so.step_id,
             rank=self.dist.rank,
@@ -254,10 +260,11 @@ class ModelRunner:
             num_tokens=pack(counts) if counts is not None and (counts != 1).any() else b"",
             sampled_token_ids=pack(sampled),
             logprobs=pack_f32(lp) if lp is not None else b"",
-            checksum=tokens_checksum(sampled) if self.config.enable_checksum else None,
+            checksum=checksum,
             timings_us=[(t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6],
             kv_load=self._settle_kv_loads() if offload is not None else None,
             kv_copy_us=copy_us,
+            **failed_fields(failed),
         )
 
     def _to_device(
