@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add fused in) and SiLU-and-mul as single Triton passes.
 
-Rounding follows the torch path in workers/model/layers.py step by step (the residual sum in the
+Rounding follows the torch paths (workers/model/layers/) step by step (the residual sum in the
 model dtype, the norm in float32 rounded to the model dtype before the weight multiply, silu
 rounded before the product), so the two paths differ only by float32 summation order.
 """
