@@ -12,9 +12,9 @@ without drafts has the usual single logits row (k = 0).
   mass, renormalized; after k acceptances the bonus is drawn from p_k. Every emitted token
   is then distributed exactly as plain sampling would have drawn it.
 
-Each request emits 1..k+1 tokens. Randomness comes from the request's own generator when it
-is seeded, else from the sampler's shared one, drawn in a fixed amount and order (k uniforms
-and one Exp(1) row per request, whatever gets accepted), so every TP rank, holding the same
+Each request emits 1..k+1 tokens. Randomness is the sampler's counter-based numbers (keyed by
+the request's seed and position when it is seeded), a fixed amount per request whatever gets
+accepted (two lanes for the final draw, then one per draft), so every TP rank, holding the same
 logits, picks the same tokens.
 """
 
@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 from workers.sample.sampler import (
+    DRAW_LANES,
     GREEDY_EPS,
     Sampler,
     SamplingMetadata,
+    draw_tokens,
     gather_logprobs,
     process_logits,
 )
@@ -193,12 +195,12 @@ def _verify_random_rows(
     req_of_row = np.repeat(np.arange(layout.num_reqs), layout.num_drafts + 1)
     x = process_logits(logits, md, req_of_row)
     probs = torch.softmax(x, dim=-1)
-    gens = [md.generators.get(i) for i in range(layout.num_reqs)]
     # A fixed amount of randomness per request, drawn before knowing what gets accepted.
-    u = sampler.uniforms(gens, layout.num_drafts)
-    noise = sampler.noise(gens, logits.shape[1])
+    max_k = int(layout.num_drafts.max()) if layout.num_reqs else 0
+    r = sampler.random(md, DRAW_LANES + max_k)
 
     drafts, draft_rows = _device(layout.draft_ids, logits), _device(layout.draft_rows, logits)
+    u = r[_device(layout.draft_req, logits), DRAW_LANES + _device(layout.draft_pos, logits)]
     p_draft = probs[draft_rows, drafts]
     # u < p accepts with probability p; p >= 1 also accepts, in case a device's uniform_
     # ever returns exactly 1 (a rejection would then leave no mass to sample from).
@@ -208,13 +210,13 @@ def _verify_random_rows(
     final_rows = _device(layout.row_starts, logits) + accepted
     dist = probs[final_rows]
     if len(layout.draft_ids):
-        # Rejected at row a: remove d_a's mass (max(0, p - one_hot(d_a))); the exponential
-        # race below needs no renormalization. Fully accepted rows keep p_k whole.
+        # Rejected at row a: remove d_a's mass (max(0, p - one_hot(d_a))); the inverse-CDF
+        # draw below needs no renormalization. Fully accepted rows keep p_k whole.
         rejected = accepted < k
         at = (_device(layout.draft_starts, logits) + accepted).clamp_(max=len(drafts) - 1)
         keep = (~rejected).to(dist.dtype).unsqueeze(1)
         dist = dist * torch.ones_like(dist).scatter_(1, drafts[at].unsqueeze(1), keep)
-    final = (dist / noise).argmax(dim=-1)
+    final = draw_tokens(dist, r[:, :DRAW_LANES])
 
     row_tokens = torch.zeros(layout.num_logits, dtype=torch.long, device=logits.device)
     row_tokens[draft_rows] = drafts
