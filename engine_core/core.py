@@ -137,6 +137,7 @@ class EngineCore:
         self.max_model_len = min(h.max_model_len for h in hellos.values())
         self.eos_token_id = h0.eos_token_id
         self.device = h0.device
+        self.dtype = h0.dtype
         budget = self.config.max_num_batched_tokens or (
             default_max_batched_tokens("cuda" if h0.device.startswith("cuda") else "cpu")
         )
@@ -185,6 +186,7 @@ class EngineCore:
                 vocab_size=self.vocab_size,
                 eos_token_id=self.eos_token_id,
                 device=self.device,
+                dtype=self.dtype,
             )
         )
 

@@ -50,7 +50,13 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
         help="dummy:tiny, dummy:llama-1b, dummy:llama-8b, dummy:qwen2-0.5b (real shapes, random "
         "weights), smollm2, a Hugging Face directory or a .gguf file",
     )
-    g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default=d.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype on CUDA (bfloat16 for the dummy "
+                   "real-shape presets), float32 on CPU")
+    g.add_argument("--allow-tf32", action="store_true",
+                   help="float32 on CUDA: let matmuls use TF32 tensor cores (faster, "
+                   "~1e-3 relative error)")
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.attention_backend,
                    choices=["auto", "torch", "cpu", "triton"],

@@ -22,7 +22,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """All engine options; the launcher flags and LLM(...) keyword arguments map 1:1 onto these."""
 
     model: str = "dummy:tiny"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16; auto: the checkpoint's dtype on CUDA, float32 on CPU
+    # (protocol/devices.resolve_dtype)
+    dtype: str = "auto"
     tensor_parallel_size: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
@@ -64,6 +66,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"
     # no CUDA graphs: decode steps run eagerly too (vLLM's --enforce-eager)
     enforce_eager: bool = False
+    # float32 on CUDA: let cuBLAS round matmul inputs to TF32 (about 8x the FP32 rate on
+    # Ampere/Hopper, ~1e-3 relative error); off unless asked, so float32 stays an oracle
+    allow_tf32: bool = False
     debug_invariants: bool = False  # check block-pool invariants after every step
     # admit a waiting request only if the KV cache can hold its whole sequence (prompt +
     # max_tokens, capped at max_model_len) next to what the running requests still need

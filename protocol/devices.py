@@ -70,11 +70,34 @@ def plan_device(
 def dtype_error(device: str, dtype: str, bf16_supported: bool, device_name: str) -> str | None:
     """Why this dtype cannot run on this device, or None. bfloat16 needs an Ampere-or-newer
     GPU (compute capability 8.0); float16 and float32 run on every CUDA device and on CPU."""
+    if dtype == "auto":
+        return None  # resolve_dtype() picks one this device runs
     if dtype not in ("float32", "bfloat16", "float16"):
-        return f"unknown dtype {dtype!r}; expected float32, bfloat16 or float16"
+        return f"unknown dtype {dtype!r}; expected auto, float32, bfloat16 or float16"
     if device == "cuda" and dtype == "bfloat16" and not bf16_supported:
         return (
             f"--dtype bfloat16 is not supported by {device_name} (bfloat16 needs compute "
             "capability 8.0 or newer); use --dtype float16 or --dtype float32"
         )
     return None
+
+
+def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None,
+                  bf16_supported: bool = True) -> str:
+    """The dtype a rank runs in: `requested` unless it is "auto".
+
+    "auto" on CPU is float32 (the C++ kernels and the reference path are tuned and tested
+    there). On CUDA it is the checkpoint's own dtype (config.json's torch_dtype / dtype),
+    bfloat16 where the checkpoint names none (GGUF: its weights are quantized, and bf16 is
+    what the Triton kernels and tensor cores are built for); a bfloat16 checkpoint on a GPU
+    older than compute capability 8.0 runs in float16, since the user did not ask for bf16.
+    """
+    if requested != "auto":
+        return requested
+    if device != "cuda":
+        return "float32"
+    dtype = checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") \
+        else "bfloat16"
+    if dtype == "bfloat16" and not bf16_supported:
+        return "float16"
+    return dtype

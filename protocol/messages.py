@@ -138,6 +138,7 @@ class EngineReady(msgspec.Struct, array_like=True, tag=14, kw_only=True):
     vocab_size: int
     eos_token_id: int | None
     device: str
+    dtype: str = ""  # the model dtype the ranks run in ("auto" resolved); "" from old engines
 
 
 class EngineStats(msgspec.Struct, array_like=True, tag=15, kw_only=True):
@@ -259,6 +260,7 @@ class WorkerHello(msgspec.Struct, array_like=True, tag=30, kw_only=True):
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
     kv_bytes_per_block: int = 0  # this rank's bytes of one block in the host tier
+    dtype: str = ""  # the model dtype this rank runs in (EngineConfig.dtype "auto" resolved)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):

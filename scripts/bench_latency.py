@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         breakdown = prof.stop()
         stats_after = llm.get_stats()
         device = llm.info.device
+        # "auto" as the ranks resolved it: the report and the roofline's bytes per weight
+        args.dtype = llm.info.dtype or args.dtype
     finally:
         llm.shutdown()
         prof.close()

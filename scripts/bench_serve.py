@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records, wall = run_load(llm, prompts, params, args)
         breakdown = prof.stop()
         stats_after = llm.get_stats()
+        args.dtype = llm.info.dtype or args.dtype  # "auto" as the ranks resolved it
     finally:
         llm.shutdown()
         prof.close()

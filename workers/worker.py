@@ -128,6 +128,7 @@ class Worker:
                     vocab_size=cfg.vocab_size,
                     max_model_len=self.runner.max_model_len,
                     eos_token_id=cfg.eos_token_id,
+                    dtype=str(self.runner.dtype).removeprefix("torch."),
                 )
             )
         )

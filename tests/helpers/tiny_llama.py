@@ -79,3 +79,26 @@ def hf_greedy_refs(path: str, prompts: list[list[int]], max_new: int) -> list[li
             refs.append(out[0, len(p) :].tolist())
     assert len({tuple(r) for r in refs}) > 3, "the random model ignores its context"
     return refs
+
+
+def hf_greedy_steps(path: str, prompts: list[list[int]], max_new: int, dtype: torch.dtype,
+                    device: str) -> list[tuple[list[int], list[float], list[float]]]:
+    """transformers' greedy tokens in `dtype` on `device`, per prompt with each step's
+    log-softmax of the chosen token and the gap between the two largest logits (how far
+    from a tie the choice was, so a test knows which choices a rounding error may flip)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids, lps, gaps = list(p), [], []
+            for _ in range(max_new):  # no KV cache: the tiny model recomputes in microseconds
+                row = model(torch.tensor([ids], device=device)).logits[0, -1].float()
+                top = row.topk(2).values
+                tok = int(row.argmax())
+                lps.append(float(torch.log_softmax(row, -1)[tok]))
+                gaps.append(float(top[0] - top[1]))
+                ids.append(tok)
+            refs.append((ids[len(p):], lps, gaps))
+    return refs

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.devices import DeviceError, cuda_visible_text, dtype_error, plan_device
+from protocol.devices import (
+    DeviceError,
+    cuda_visible_text,
+    dtype_error,
+    plan_device,
+    resolve_dtype,
+)
 
 VIS = "CUDA_VISIBLE_DEVICES='0'"
 
@@ -55,6 +61,18 @@ def test_dtype_checks() -> None:
     assert msg is not None and "Tesla T4 (sm_75)" in msg and "--dtype float16" in msg
     assert dtype_error("cuda", "float16", False, "Tesla T4 (sm_75)") is None
     assert dtype_error("cpu", "bfloat16", False, "cpu") is None
+    assert dtype_error("cuda", "auto", False, "Tesla T4 (sm_75)") is None
+
+
+def test_auto_dtype_is_the_checkpoints_on_cuda_and_float32_on_cpu() -> None:
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+    assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", "cuda", "float16") == "float16"
+    assert resolve_dtype("auto", "cuda", "float32") == "float32"
+    assert resolve_dtype("auto", "cuda", None) == "bfloat16"  # GGUF names no dtype
+    # bf16 checkpoint on a pre-Ampere GPU: float16, not an error, since bf16 was not asked for
+    assert resolve_dtype("auto", "cuda", "bfloat16", bf16_supported=False) == "float16"
+    assert resolve_dtype("float32", "cuda", "bfloat16") == "float32"
 
 
 def test_visible_text() -> None:

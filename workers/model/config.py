@@ -30,6 +30,9 @@ class ModelConfig:
     # per layer: its sliding window in tokens (a query at p sees keys in (p - W, p]), 0 = full
     # attention; empty = every layer full attention
     layer_windows: list[int] = field(default_factory=list)
+    # the dtype the checkpoint stores ("bfloat16", ...), None where it names none (GGUF);
+    # `--dtype auto` runs in it on CUDA (protocol/devices.resolve_dtype)
+    torch_dtype: str | None = None
 
     def windows(self) -> list[int]:
         """The sliding window of every layer (0 = full attention)."""
@@ -72,7 +75,18 @@ class ModelConfig:
             eos_token_id=eos,
             o_proj_bias=attention_bias and not qwen2,
             layer_windows=_layer_windows(d, model_type),
+            torch_dtype=_checkpoint_dtype(d),
         )
+
+
+def _checkpoint_dtype(d: dict) -> str | None:
+    """config.json's torch_dtype (transformers < 5) or dtype (>= 5), as a torch dtype name."""
+    raw = d.get("torch_dtype") or d.get("dtype")
+    if not isinstance(raw, str):
+        return None
+    name = raw.removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
+            "fp32": "float32"}.get(name, name)
 
 
 def _layer_windows(d: dict, model_type: str) -> list[int]:
@@ -116,13 +130,13 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-5,
         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
     ),
     "micro": ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=1024,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
     ),
 }
 DUMMY_INIT_STD = 0.2
@@ -140,6 +154,7 @@ DUMMY_PRESETS |= {
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
         rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_SCALING, max_position_embeddings=131072,
         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        torch_dtype="bfloat16",
     ),
     # meta-llama/Meta-Llama-3-8B
     "llama-8b": ModelConfig(
@@ -147,6 +162,7 @@ DUMMY_PRESETS |= {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
         rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        torch_dtype="bfloat16",
     ),
     # Qwen/Qwen2-0.5B (q/k/v carry a bias, o_proj does not)
     "qwen2-0.5b": ModelConfig(
@@ -154,10 +170,18 @@ DUMMY_PRESETS |= {
         num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
         rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=131072,
         tie_word_embeddings=True, attention_bias=True, bos_token_id=151643,
-        eos_token_id=151643,
+        eos_token_id=151643, torch_dtype="bfloat16",
+    ),
+    # HuggingFaceTB/SmolLM2-135M: the default real model's shape (9 query / 3 KV heads), so its
+    # batch-1 latency can be timed in bf16 without the GGUF's dequantization
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100000.0, rope_scaling=None, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     ),
 }
-REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b"})
+REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b", "smollm2-135m"})
 REAL_SHAPE_INIT_STD = 0.02
 
 

@@ -90,7 +90,7 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = None
         for size in sorted(self.sizes, reverse=True):
-            ids, pos, meta = self.staging.stage(self._dummy_inputs(size))
+            ids, pos, meta = self.staging.stage(self._dummy_inputs(size), for_graph=True)
             # Warm-up outside the graph: compiles the Triton kernels for this shape and lets
             # cuBLAS and NCCL set up their workspaces.
             stream = torch.cuda.Stream(device)
@@ -116,7 +116,8 @@ class CudaGraphRunner:
         num_reqs = len(inputs.seq_lens)
         size = self.padded_size(num_reqs)
         assert size is not None
-        self.staging.stage(inputs, num_tokens=size * self.tokens_per_req, num_reqs=size)
+        self.staging.stage(inputs, num_tokens=size * self.tokens_per_req, num_reqs=size,
+                           for_graph=True)
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[: len(inputs.input_ids)]

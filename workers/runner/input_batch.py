@@ -47,7 +47,6 @@ class CachedRequestState:
     handle: int
     prompt_token_ids: np.ndarray  # int32
     sampling_params: SamplingParams
-    generator: torch.Generator | None  # per-request seed; None = the shared generator
     output_token_ids: list[int] = field(default_factory=list)
     row: int = -1  # -1 = not in the batch (preempted)
 
@@ -108,16 +107,16 @@ class InputBatch:
         self.min_p = np.zeros(m, dtype=np.float32)
         self.want_logprobs = np.zeros(m, dtype=bool)
         self.seeded = np.zeros(m, dtype=bool)
+        self.seeds = np.zeros(m, dtype=np.int64)  # sampling_params.seed where seeded
         # Drafts under verification this step sit in token_ids right after num_tokens; they
         # are not the request's tokens until accepted, so num_tokens never counts them.
         self.num_drafts = np.zeros(m, dtype=np.int32)
         self._draft_rows: np.ndarray | None = None  # rows with drafts this step
-        self.num_seeded = 0  # rows with a per-request generator
-        self.generators: list[torch.Generator | None] = [None] * m
+        self.num_seeded = 0  # rows with a per-request seed
         self._arrays = (
             self.num_tokens, self.num_computed_tokens, self.num_blocks, self.num_scheduled,
             self.handles, self.temperature, self.top_k, self.top_p, self.min_p,
-            self.want_logprobs, self.seeded,
+            self.want_logprobs, self.seeded, self.seeds,
         )  # fmt: skip
         self.states: dict[int, CachedRequestState] = {}
         self.num_rows = 0  # rows in use, holes included; == num_reqs once condensed
@@ -163,9 +162,11 @@ class InputBatch:
         self.top_p[row] = sp.top_p
         self.min_p[row] = sp.min_p
         self.want_logprobs[row] = sp.logprobs
-        self.generators[row] = st.generator
-        self.seeded[row] = st.generator is not None
-        self.num_seeded += st.generator is not None
+        self.seeded[row] = sp.seed is not None
+        # a uint64 seed above 2**63 - 1 is kept as the int64 with the same 64 bits
+        seed = sp.seed or 0
+        self.seeds[row] = seed - 2**64 if seed >= 2**63 else seed
+        self.num_seeded += sp.seed is not None
         self.handles[row] = st.handle
         st.row = row
         return row
@@ -177,7 +178,6 @@ class InputBatch:
             n_prompt = len(st.prompt_token_ids)
             st.output_token_ids = self.token_ids[row, n_prompt : self.num_tokens[row]].tolist()
         self.handles[row] = -1
-        self.generators[row] = None
         self.num_seeded -= bool(self.seeded[row])
         self.seeded[row] = False
         st.row = -1
@@ -203,8 +203,6 @@ class InputBatch:
         self.block_tables[:, dst] = self.block_tables[:, src]
         for a in self._arrays:
             a[dst] = a[src]
-        self.generators[dst] = self.generators[src]
-        self.generators[src] = None
         self.states[int(self.handles[dst])].row = dst
         self.handles[src] = -1
         self.seeded[src] = False
@@ -269,11 +267,11 @@ class InputBatch:
         for nr in so.new_reqs:
             if nr.handle in self.states:
                 raise StateMismatchError(f"new handle {nr.handle} is already known")
-            sp, gen, err = admit_sampling(nr.sampling_params, self.device)
+            sp, err = admit_sampling(nr.sampling_params)
             if err is not None:
                 self.failed[nr.handle] = err
             prompt = unpack_i32(nr.prompt_token_ids, "prompt_token_ids").astype(np.int32)
-            st = CachedRequestState(nr.handle, prompt, sp, gen)
+            st = CachedRequestState(nr.handle, prompt, sp)
             self.states[nr.handle] = st
             self.add_request(st, unpack_i32(nr.block_ids, "block_ids"), nr.num_computed_tokens)
             fresh.append((st, nr.num_scheduled_tokens))
@@ -501,18 +499,16 @@ class InputBatch:
         return self._arange[:total]
 
     def sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata:
-        gens: dict[int, torch.Generator] = {}
-        if self.num_seeded:  # only seeded rows cost Python work
-            for i in np.flatnonzero(self.seeded[sample_rows]).tolist():
-                g = self.generators[int(sample_rows[i])]
-                assert g is not None
-                gens[i] = g
+        seeded: dict[str, np.ndarray] = {}
+        if self.num_seeded:  # a seeded row's numbers are keyed by (seed, token position)
+            seeded = dict(seeded=self.seeded[sample_rows], seeds=self.seeds[sample_rows],
+                          positions=self.num_tokens[sample_rows].astype(np.int64))
         return SamplingMetadata(
             temperature=self.temperature[sample_rows],
             top_k=self.top_k[sample_rows],
             top_p=self.top_p[sample_rows],
             min_p=self.min_p[sample_rows],
-            generators=gens,
+            **seeded,
             need_logprobs=bool(self.want_logprobs[sample_rows].any()),
         )
 

@@ -6,6 +6,10 @@ buffer, allocated once at their largest size; a step writes the live prefix of e
 the pinned buffer and issues one non_blocking host-to-device copy of that prefix. The device
 buffers keep their addresses for the worker's life, which is what CUDA-graph replay needs.
 
+Only live data crosses to the device: the prefix of each array, and of the block table only
+the columns the step's longest request uses (a table is as wide as max_model_len / block_size,
+8,193 columns at a 131k context), packed contiguously.
+
 Reusing a pinned buffer is safe because each step ends with the device-to-host copy of its
 sampled tokens, which waits for every earlier copy on the stream.
 """
@@ -43,6 +47,32 @@ class _Staged:
         return dst
 
 
+class _StagedTable:
+    """A block table: the live [rows, columns] packed contiguously in pinned memory and copied
+    as one block; CUDA-graph steps then scatter it on the device into a whole-width twin whose
+    address and row stride the captured kernels hold (columns past the live width are stale
+    there, and never read: a request reads only the blocks its sequence length covers)."""
+
+    def __init__(self, max_reqs: int, max_cols: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.host = torch.empty(max_reqs * max_cols, dtype=torch.int32, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.packed = torch.empty(max_reqs * max_cols, dtype=torch.int32, device=device)
+        self.fixed = torch.empty((max_reqs, max_cols), dtype=torch.int32, device=device)
+
+    def put(self, table: np.ndarray, num_reqs: int, for_graph: bool) -> torch.Tensor:
+        r, width = table.shape
+        n = r * width
+        self.host_np[:n].reshape(r, width)[:] = table
+        packed = self.packed[:n]
+        packed.copy_(self.host[:n], non_blocking=True)
+        view = packed.view(r, width)
+        if not for_graph and num_reqs == r:
+            return view
+        self.fixed[:r, :width].copy_(view)
+        return self.fixed[:num_reqs, :width]
+
+
 class InputStaging:
     """The step inputs of one worker: token ids, positions, slot mapping, query start offsets,
     sequence lengths, block table and logits indices (a slot mapping and a block table per KV
@@ -56,38 +86,36 @@ class InputStaging:
         self.slot_mapping = _Staged((max_tokens,), torch.int64, device)
         self.query_start_loc = _Staged((max_reqs + 1,), torch.int32, device)
         self.seq_lens = _Staged((max_reqs,), torch.int32, device)
-        self.block_table = _Staged((max_reqs, max_blocks_per_req), torch.int32, device)
+        self.block_table = _StagedTable(max_reqs, max_blocks_per_req, device)
         self.logits_indices = _Staged((max_tokens,), torch.int64, device)
         # KV cache groups 1..G-1: their slot mappings and block tables
         self.other_groups = [
             (_Staged((max_tokens,), torch.int64, device),
-             _Staged((max_reqs, max_blocks_per_req), torch.int32, device))
+             _StagedTable(max_reqs, max_blocks_per_req, device))
             for _ in range(num_groups - 1)
         ]
 
     def stage(self, inputs: BatchInputs, num_tokens: int | None = None,
-              num_reqs: int | None = None
+              num_reqs: int | None = None, for_graph: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
         """Device views of the step's inputs, padded to num_tokens / num_reqs (a CUDA-graph
         size) when given: padding tokens write no K/V (slot -1) and padding requests have no
-        tokens and no context, so they attend to nothing."""
+        tokens and no context, so they attend to nothing. for_graph: the block tables are
+        the persistent whole-width ones a captured graph reads."""
         t = len(inputs.input_ids)
         r = len(inputs.seq_lens)
         num_tokens = t if num_tokens is None else num_tokens
         num_reqs = r if num_reqs is None else num_reqs
         qsl = self.query_start_loc.put(inputs.query_start_loc, num_reqs + 1, fill=t)
         seq_lens = self.seq_lens.put(inputs.seq_lens, num_reqs, fill=0)
-        width = inputs.block_table.shape[1]
-        # Whole rows of the persistent table: its stride stays fixed for a captured graph.
-        self.block_table.host_np[:r, :width] = inputs.block_table
-        self.block_table.device[:r].copy_(self.block_table.host[:r], non_blocking=True)
+        for_graph = for_graph or num_reqs != r
         qsl_np = self.query_start_loc.host_np[: num_reqs + 1]
         lens_np = self.seq_lens.host_np[:num_reqs]
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.put(inputs.slot_mapping, num_tokens, fill=-1),
             query_start_loc=qsl,
             seq_lens=seq_lens,
-            block_table=self.block_table.device[:num_reqs, :width],
+            block_table=self.block_table.put(inputs.block_table, num_reqs, for_graph),
             query_start_loc_np=qsl_np,
             seq_lens_np=lens_np,
             max_query_len=inputs.max_query_len,
@@ -100,10 +128,8 @@ class InputStaging:
         metas = [meta]
         for (slots, table), (staged_slots, staged_table) in zip(
                 inputs.other_groups, self.other_groups, strict=True):
-            staged_table.host_np[:r, :width] = table
-            staged_table.device[:r].copy_(staged_table.host[:r], non_blocking=True)
             metas.append(replace(meta, slot_mapping=staged_slots.put(slots, num_tokens, fill=-1),
-                                 block_table=staged_table.device[:num_reqs, :width]))
+                                 block_table=staged_table.put(table, num_reqs, for_graph)))
         return ids, pos, metas
 
     def logits_index(self, idx: np.ndarray) -> torch.Tensor:

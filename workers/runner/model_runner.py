@@ -15,6 +15,7 @@ import torch
 
 from protocol.codec import pack, pack_f32
 from protocol.config import GPU_MAX_BATCHED_TOKENS, EngineConfig
+from protocol.devices import resolve_dtype
 from protocol.kv_transfer import KVLoadResult
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from workers.attention.reference import AttentionMetadata
@@ -43,12 +44,22 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_model_dtype(config: EngineConfig, device: torch.device,
+                        model_config: ModelConfig) -> str:
+    """The dtype name this rank runs the model in (config.dtype with "auto" resolved)."""
+    bf16 = True
+    if device.type == "cuda" and config.dtype == "auto":
+        bf16 = torch.cuda.get_device_capability(device)[0] >= 8
+    return resolve_dtype(config.dtype, device.type, model_config.torch_dtype, bf16)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, dist: DistEnv) -> None:
         self.config = config
         self.dist = dist
         self.device = torch.device(dist.device)
-        self.dtype = torch_dtype(config.dtype)
+        # "auto" is resolved in load_model(), once the checkpoint's dtype is known
+        self.dtype = torch_dtype(config.dtype) if config.dtype != "auto" else torch.float32
         self.block_size = config.block_size
         self.model: LlamaForCausalLM | None = None
         self.model_config: ModelConfig | None = None
@@ -70,8 +81,14 @@ class ModelRunner:
         self._v_caches: list[torch.Tensor] = []
 
     def load_model(self) -> None:
-        from workers.model.loader import load_model
+        from workers.model.loader import load_model, load_model_config
 
+        self.dtype = torch_dtype(resolve_model_dtype(self.config, self.device,
+                                                     load_model_config(self.config.model)))
+        if self.device.type == "cuda":
+            # float32 stays exact unless the user traded precision for TF32's speed
+            torch.backends.cuda.matmul.allow_tf32 = self.config.allow_tf32
+            torch.backends.cudnn.allow_tf32 = self.config.allow_tf32
         self.model, self.model_config = load_model(
             self.config.model,
             self.dist.rank,

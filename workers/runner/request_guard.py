@@ -17,11 +17,9 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
 
 from protocol.codec import pack
 from protocol.messages import SamplingParams
-from workers.sample.sampler import make_generator
 
 # TEST-ONLY: a new request with this seed raises while its state is built, on every rank, so
 # the suite can prove a request-level failure in a worker finishes only that request.
@@ -36,10 +34,8 @@ def _fault_seed() -> int | None:
 _FAULT_SEED = _fault_seed()
 
 
-def admit_sampling(
-    sp: SamplingParams, device: torch.device
-) -> tuple[SamplingParams, torch.Generator | None, str | None]:
-    """(params to run with, its generator, None) or (neutral params, None, reason)."""
+def admit_sampling(sp: SamplingParams) -> tuple[SamplingParams, str | None]:
+    """(params to run with, None) or (neutral params, reason)."""
     try:
         if _FAULT_SEED is not None and sp.seed == _FAULT_SEED:
             raise RuntimeError(f"injected request fault (seed {sp.seed})")
@@ -49,11 +45,13 @@ def admit_sampling(
             v = float(getattr(sp, name))
             if not math.isfinite(v) or not math.isfinite(float(np.float32(v))):
                 raise ValueError(f"{name}={v} is not a finite float32")
-        gen = make_generator(sp.seed, device) if sp.seed is not None else None
-        return sp, gen, None
+        # the counter-based sampler keys its random numbers on the seed as a uint64
+        if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:
+            raise ValueError(f"seed={sp.seed} does not fit 64 bits")
+        return sp, None
     except Exception as e:  # noqa: BLE001 - any failure is this request's, not the rank's
         neutral = SamplingParams(max_tokens=1, temperature=0.0)
-        return neutral, None, f"worker rejected the request: {type(e).__name__}: {e}"
+        return neutral, f"worker rejected the request: {type(e).__name__}: {e}"
 
 
 def take_failed(failed: dict[int, str]) -> tuple[np.ndarray, list[str]] | None:

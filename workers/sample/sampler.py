@@ -1,10 +1,15 @@
 """Token sampling that every TP rank performs identically.
 
-All ranks hold identical logits (the LM head all-gathers them) and identically seeded
-generators, and they consume randomness in the same order, so they pick the same tokens
-without exchanging anything. Sampling is an exponential race: argmax(p / q) with q ~ Exp(1)
-is a draw from p, and it lets the noise come from any generator row by row while the rest
-stays one vectorized op over the batch.
+All ranks hold identical logits (the LM head all-gathers them), and every random number is a
+hash of where it is used (workers/sample/counter_rng.py): a seeded request's numbers come from
+(its seed, its token position), so they do not depend on its batch or on the step it runs in;
+an unseeded row's from (the engine seed, the sampler's count of shared draws, its row). Ranks
+therefore pick the same tokens without exchanging anything, and the numbers of a whole batch
+come from one vectorized launch, however many requests are seeded.
+
+No step sorts the vocabulary: top-k is a partial selection (torch.topk), top-p a cumulative sum
+over those candidates, and drawing a token is an inverse-CDF lookup in two levels (a block of
+the vocabulary by its total mass, then a token inside it), two uniforms per row.
 """
 
 from __future__ import annotations
@@ -16,11 +21,22 @@ import numpy as np
 import torch
 
 from workers.runner.host_copy import to_device
+from workers.sample.counter_rng import SEEDED_ROW, counter_uniforms
 
 # Below this a temperature means greedy (vLLM's convention for "0").
 GREEDY_EPS = 1e-5
-# Exponential noise of exactly 0 would turn p / q into inf or nan (0 / 0 for masked tokens).
-_MIN_NOISE = 1e-20
+# A row with top-p but no top-k looks for its nucleus among this many most likely tokens; a
+# distribution so flat that they hold less than top_p keeps just them (a nucleus never grows
+# past what a sort-free selection of this size costs; 1024 of a 128k vocabulary is < 1%).
+TOP_P_CANDIDATES = 1024
+# Tokens per block of the two-level inverse-CDF draw (sqrt of a large vocabulary, roughly).
+_DRAW_BLOCK = 512
+# Lanes of a row's random numbers: the token draw uses lanes 0 and 1.
+DRAW_LANES = 2
+
+
+def _empty_i64() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -31,26 +47,27 @@ class SamplingMetadata:
     top_k: np.ndarray  # [N] int32; <= 0 = off
     top_p: np.ndarray  # [N] float32; >= 1 = off
     min_p: np.ndarray  # [N] float32; <= 0 = off
-    # logits row -> its request's generator (sampling_params.seed); rows not listed draw
-    # from the shared engine-seeded generator. Only seeded rows cost Python work.
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # per row: sampling_params.seed where seeded[row], and the request's token count before
+    # this step (the counter its random numbers are keyed by); empty = nobody is seeded
+    seeded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    seeds: np.ndarray = field(default_factory=_empty_i64)
+    positions: np.ndarray = field(default_factory=_empty_i64)
     need_logprobs: bool = False
 
     def select(self, rows: np.ndarray) -> SamplingMetadata:
-        """The metadata of ``rows`` only, generators renumbered to the new row order.
+        """The metadata of ``rows`` only, in that order.
 
         need_logprobs is kept: when any request asked, every sampled token gets a logprob.
         """
-        gens = self.generators
-        if gens:
-            picked = ((i, gens.get(int(r))) for i, r in enumerate(rows.tolist()))
-            gens = {i: g for i, g in picked if g is not None}
+        any_seeded = len(self.seeded) > 0
         return SamplingMetadata(
             temperature=self.temperature[rows],
             top_k=self.top_k[rows],
             top_p=self.top_p[rows],
             min_p=self.min_p[rows],
-            generators=gens,
+            seeded=self.seeded[rows] if any_seeded else self.seeded,
+            seeds=self.seeds[rows] if any_seeded else self.seeds,
+            positions=self.positions[rows] if any_seeded else self.positions,
             need_logprobs=self.need_logprobs,
         )
 
@@ -66,9 +83,10 @@ class Sampler:
 
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        # Unseeded requests draw from this one; same seed on every rank -> same stream.
-        self.shared_generator = torch.Generator(device=self.device)
-        self.shared_generator.manual_seed(seed)
+        self.seed = seed
+        # draws made for unseeded rows so far: the counter of the shared stream. Every rank
+        # samples the same rows in the same steps, so every rank counts the same.
+        self.shared_draws = 0
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         return self.sample(logits, md)
@@ -83,11 +101,10 @@ class Sampler:
             return SamplerOutput(tokens, lp)
 
         rand_rows = np.flatnonzero(~greedy)
+        sub = md.select(rand_rows)
         x = process_logits(logits[to_device(rand_rows, self.device)], md, rand_rows)
         probs = torch.softmax(x, dim=-1)
-        gens = md.generators
-        noise = self.noise([gens.get(i) for i in rand_rows.tolist()], x.shape[1])
-        rand_tokens = (probs / noise).argmax(dim=-1)
+        rand_tokens = draw_tokens(probs, self.random(sub, DRAW_LANES))
 
         if len(rand_rows) == n:
             tokens = rand_tokens
@@ -102,43 +119,48 @@ class Sampler:
             lp[idx] = gather_logprobs(x, rand_tokens)
         return SamplerOutput(tokens, lp)
 
-    def noise(self, gens: list[torch.Generator | None], vocab: int) -> torch.Tensor:
-        """Exp(1) noise, shared-generator rows in one draw, seeded rows from their own."""
-        q = torch.empty((len(gens), vocab), dtype=torch.float32, device=self.device)
-        shared = [i for i, g in enumerate(gens) if g is None]
-        if len(shared) == len(gens):
-            q.exponential_(generator=self.shared_generator)
-        else:
-            if shared:
-                block = torch.empty((len(shared), vocab), dtype=torch.float32, device=self.device)
-                block.exponential_(generator=self.shared_generator)
-                q[to_device(np.array(shared), self.device)] = block
-            for i, g in enumerate(gens):
-                if g is not None:
-                    q[i].exponential_(generator=g)
-        return q.clamp_min_(_MIN_NOISE)
+    def random(self, md: SamplingMetadata, lanes: int) -> torch.Tensor:
+        """U[0, 1) [N, lanes] for the rows of ``md``, one launch for the whole batch.
 
-    def uniforms(self, gens: list[torch.Generator | None], counts: np.ndarray) -> torch.Tensor:
-        """U[0, 1) draws, ``counts[i]`` for row i, flattened in row order.
-
-        Same discipline as ``noise``: shared-generator rows in one draw, then each seeded row
-        from its own generator, so a seeded request's numbers do not depend on its batch.
+        A seeded row is keyed by (its seed, its position), the rest by (engine seed, shared
+        draw count, row); the shared count advances only when an unseeded row drew.
         """
-        u = torch.empty(int(counts.sum()), dtype=torch.float32, device=self.device)
-        shared = [g is None for g in gens]
-        if all(shared):
-            return u.uniform_(generator=self.shared_generator)
-        if any(shared):
-            idx = np.flatnonzero(np.repeat(np.array(shared), counts))
-            block = torch.empty(len(idx), dtype=torch.float32, device=self.device)
-            block.uniform_(generator=self.shared_generator)
-            u[to_device(idx, self.device)] = block
-        start = 0
-        for g, c in zip(gens, counts.tolist(), strict=True):
-            if g is not None and c:
-                u[start : start + c].uniform_(generator=g)
-            start += c
-        return u
+        n = len(md.temperature)
+        keys = np.empty((3, n), dtype=np.int64)
+        keys[0], keys[1], keys[2] = self.seed, self.shared_draws, np.arange(n)
+        seeded = md.seeded if len(md.seeded) else np.zeros(n, dtype=bool)
+        if seeded.any():
+            keys[0, seeded] = md.seeds[seeded]
+            keys[1, seeded] = md.positions[seeded]
+            keys[2, seeded] = SEEDED_ROW
+        if not seeded.all():
+            self.shared_draws += 1
+        return counter_uniforms(to_device(keys, self.device), lanes)
+
+
+def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [N, V] (non-negative, any positive total) by inverse CDF:
+    u[:, 0] picks a block of _DRAW_BLOCK tokens by its mass, u[:, 1] a token inside it. Reads
+    the probabilities about twice; no sort, no [N, V] noise. Tokens of zero mass are never
+    drawn (a rounding overshoot falls back to the last block or token with mass)."""
+    n, vocab = probs.shape
+    nb = -(-vocab // _DRAW_BLOCK)
+    pad = nb * _DRAW_BLOCK - vocab
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, nb, _DRAW_BLOCK)
+    mass = blocks.sum(dim=-1)
+    b = _inverse_cdf(mass, u[:, 0])
+    inside = blocks[torch.arange(n, device=probs.device), b]
+    return b * _DRAW_BLOCK + _inverse_cdf(inside, u[:, 1])
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight exceeds u x the row's total."""
+    cum = weights.cumsum(dim=-1)
+    target = (u * cum[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cum, target, right=True).squeeze(1)
+    cols = torch.arange(weights.shape[1], device=weights.device)
+    last = torch.where(weights > 0, cols, -1).amax(dim=-1)
+    return torch.minimum(idx, last)
 
 
 def process_logits(x: torch.Tensor, md: SamplingMetadata, rows: np.ndarray) -> torch.Tensor:
@@ -158,27 +180,32 @@ def gather_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
-    """Mask (to -inf) what top-k and top-p exclude; one sort serves both."""
+    """Mask (to -inf) what top-k and top-p exclude, from one partial selection: the largest C
+    logits of every row, C the largest k asked for (TOP_P_CANDIDATES for top-p alone)."""
     vocab = x.shape[1]
-    use_k = bool(((top_k > 0) & (top_k < vocab)).any())
-    use_p = bool((top_p < 1.0).any())
-    if not (use_k or use_p):
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    active = k_on | p_on
+    if not active.any():
         return x
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
-    drop = torch.zeros_like(sorted_x, dtype=torch.bool)
-    if use_k:
-        k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab).astype(np.int64)
-        drop |= ranks >= to_device(k, x.device).unsqueeze(1)
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    if use_p:
-        p = to_device(np.asarray(top_p, dtype=np.float32), x.device).unsqueeze(1)
-        probs = torch.softmax(sorted_x, dim=-1)
+    k = np.where(k_on, top_k, np.where(p_on, min(TOP_P_CANDIDATES, vocab), 0)).astype(np.int64)
+    c = int(k.max())
+    vals, idx = x.topk(c, dim=-1)  # sorted descending
+    keep = torch.arange(c, device=x.device).unsqueeze(0) < to_device(k, x.device).unsqueeze(1)
+    vals = vals.masked_fill(~keep, float("-inf"))
+    if p_on.any():
+        # top-p renormalizes after top-k (a row with both: over its k), else over the vocab
+        norm = torch.where(to_device(k_on, x.device), vals.logsumexp(dim=-1),
+                           x.logsumexp(dim=-1))
+        probs = torch.exp(vals - norm.unsqueeze(1))
         # Mass strictly before each token; the top token (0 before it) always survives.
         before = probs.cumsum(dim=-1) - probs
-        drop |= before > p
-    drop_orig = torch.zeros_like(drop).scatter_(1, order, drop)
-    return x.masked_fill(drop_orig, float("-inf"))
+        p = to_device(np.where(p_on, top_p, 2.0).astype(np.float32), x.device).unsqueeze(1)
+        vals = vals.masked_fill(before > p, float("-inf"))
+    out = torch.full_like(x, float("-inf")).scatter_(1, idx, vals)
+    if active.all():
+        return out
+    return torch.where(to_device(active, x.device).unsqueeze(1), out, x)
 
 
 def _apply_min_p(x: torch.Tensor, min_p: np.ndarray) -> torch.Tensor:
@@ -188,12 +215,6 @@ def _apply_min_p(x: torch.Tensor, min_p: np.ndarray) -> torch.Tensor:
     thresh = probs.amax(dim=-1, keepdim=True) * to_device(
         np.asarray(min_p, dtype=np.float32), x.device).unsqueeze(1)
     return x.masked_fill(probs < thresh, float("-inf"))
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(seed)
-    return g
 
 
 def tokens_checksum(token_ids: np.ndarray) -> int:

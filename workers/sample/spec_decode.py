@@ -12,9 +12,9 @@ without drafts has the usual single logits row (k = 0).
   mass, renormalized; after k acceptances the bonus is drawn from p_k. Every emitted token
   is then distributed exactly as plain sampling would have drawn it.
 
-Each request emits 1..k+1 tokens. Randomness comes from the request's own generator when it
-is seeded, else from the sampler's shared one, drawn in a fixed amount and order (k uniforms
-and one Exp(1) row per request, whatever gets accepted), so every TP rank, holding the same
+Each request emits 1..k+1 tokens. Randomness is the sampler's counter-based numbers (keyed by
+the request's seed and position when it is seeded), a fixed amount per request whatever gets
+accepted (two lanes for the final draw, then one per draft), so every TP rank, holding the same
 logits, picks the same tokens.
 """
 
@@ -25,10 +25,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workers.runner.host_copy import to_device
 from workers.sample.sampler import (
+    DRAW_LANES,
     GREEDY_EPS,
     Sampler,
     SamplingMetadata,
+    draw_tokens,
     gather_logprobs,
     process_logits,
 )
@@ -118,7 +121,13 @@ def sample_with_drafts(
     plain = np.flatnonzero(layout.num_drafts == 0)
     plain_out = sampler(logits[_device(layout.row_starts[plain], logits)], md.select(plain))
     sub, rows = layout.select(spec)
-    spec_out = rejection_sample(sampler, logits[_device(rows, logits)], sub, md.select(spec))
+    row_tokens, accepted, row_lp = _verify(sampler, logits[_device(rows, logits)], sub,
+                                           md.select(spec))
+    # the step's one device-to-host copy: both kinds' results in one buffer
+    plain_tokens, plain_lp, row_tokens_np, accepted_np, row_lp_np = _to_host(
+        plain_out.token_ids, plain_out.logprobs, row_tokens, accepted, row_lp)
+    assert plain_tokens is not None and row_tokens_np is not None and accepted_np is not None
+    spec_out = _assemble_host(sub, row_tokens_np, accepted_np, row_lp_np)
 
     counts = np.ones(layout.num_reqs, dtype=np.int32)
     counts[spec] = spec_out.counts
@@ -126,12 +135,12 @@ def sample_with_drafts(
     plain_pos = out_starts[plain]
     spec_pos = np.repeat(out_starts[spec], spec_out.counts) + ragged_arange(spec_out.counts)
     tokens = np.empty(int(counts.sum()), dtype=np.int32)
-    tokens[plain_pos] = plain_out.token_ids.to(torch.int32).cpu().numpy()
+    tokens[plain_pos] = plain_tokens
     tokens[spec_pos] = spec_out.token_ids
     lp = None
-    if plain_out.logprobs is not None and spec_out.logprobs is not None:
+    if plain_lp is not None and spec_out.logprobs is not None:
         lp = np.empty(len(tokens), dtype=np.float32)
-        lp[plain_pos] = plain_out.logprobs.float().cpu().numpy()
+        lp[plain_pos] = plain_lp
         lp[spec_pos] = spec_out.logprobs
     return SpecOutput(tokens, counts, lp)
 
@@ -142,15 +151,22 @@ def rejection_sample(
     """Verify drafts against ``logits`` ([L, V], laid out by ``layout``).
 
     Greedy requests (temperature <= GREEDY_EPS) are verified by argmax and draw nothing;
-    random ones by rejection sampling with randomness from ``sampler``'s generators.
+    random ones by rejection sampling with randomness from ``sampler``.
     """
+    return _assemble(layout, *_verify(sampler, logits, layout, md))
+
+
+def _verify(
+    sampler: Sampler, logits: torch.Tensor, layout: DraftLayout, md: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """rejection_sample's results still on the device: (row_tokens, accepted, row_logprobs)."""
     logits = logits.float()
     need_lp = md.need_logprobs
     greedy = md.temperature <= GREEDY_EPS
     if greedy.all():
-        return _assemble(layout, *_verify_greedy_rows(logits, layout, need_lp))
+        return _verify_greedy_rows(logits, layout, need_lp)
     if not greedy.any():
-        return _assemble(layout, *_verify_random_rows(sampler, logits, layout, md, need_lp))
+        return _verify_random_rows(sampler, logits, layout, md, need_lp)
     # A mix: verify each kind on its own rows, then put the results back in request order.
     row_tokens = torch.empty(layout.num_logits, dtype=torch.long, device=logits.device)
     accepted = torch.empty(layout.num_reqs, dtype=torch.long, device=logits.device)
@@ -166,7 +182,7 @@ def rejection_sample(
         accepted[_device(reqs, logits)] = part[1]
         if row_lp is not None and part[2] is not None:
             row_lp[rows_t] = part[2]
-    return _assemble(layout, row_tokens, accepted, row_lp)
+    return row_tokens, accepted, row_lp
 
 
 # Each _verify_*_rows returns (row_tokens [L], accepted [S], row_logprobs [L] or None):
@@ -193,12 +209,12 @@ def _verify_random_rows(
     req_of_row = np.repeat(np.arange(layout.num_reqs), layout.num_drafts + 1)
     x = process_logits(logits, md, req_of_row)
     probs = torch.softmax(x, dim=-1)
-    gens = [md.generators.get(i) for i in range(layout.num_reqs)]
     # A fixed amount of randomness per request, drawn before knowing what gets accepted.
-    u = sampler.uniforms(gens, layout.num_drafts)
-    noise = sampler.noise(gens, logits.shape[1])
+    max_k = int(layout.num_drafts.max()) if layout.num_reqs else 0
+    r = sampler.random(md, DRAW_LANES + max_k)
 
     drafts, draft_rows = _device(layout.draft_ids, logits), _device(layout.draft_rows, logits)
+    u = r[_device(layout.draft_req, logits), DRAW_LANES + _device(layout.draft_pos, logits)]
     p_draft = probs[draft_rows, drafts]
     # u < p accepts with probability p; p >= 1 also accepts, in case a device's uniform_
     # ever returns exactly 1 (a rejection would then leave no mass to sample from).
@@ -208,13 +224,13 @@ def _verify_random_rows(
     final_rows = _device(layout.row_starts, logits) + accepted
     dist = probs[final_rows]
     if len(layout.draft_ids):
-        # Rejected at row a: remove d_a's mass (max(0, p - one_hot(d_a))); the exponential
-        # race below needs no renormalization. Fully accepted rows keep p_k whole.
+        # Rejected at row a: remove d_a's mass (max(0, p - one_hot(d_a))); the inverse-CDF
+        # draw below needs no renormalization. Fully accepted rows keep p_k whole.
         rejected = accepted < k
         at = (_device(layout.draft_starts, logits) + accepted).clamp_(max=len(drafts) - 1)
         keep = (~rejected).to(dist.dtype).unsqueeze(1)
         dist = dist * torch.ones_like(dist).scatter_(1, drafts[at].unsqueeze(1), keep)
-    final = (dist / noise).argmax(dim=-1)
+    final = draw_tokens(dist, r[:, :DRAW_LANES])
 
     row_tokens = torch.zeros(layout.num_logits, dtype=torch.long, device=logits.device)
     row_tokens[draft_rows] = drafts
@@ -240,12 +256,38 @@ def _assemble(
     row_lp: torch.Tensor | None,
 ) -> SpecOutput:
     """Keep each request's rows 0..a (a = accepted drafts): a drafts and one sampled token."""
-    a = accepted.cpu().numpy()
+    tokens, a, lp = _to_host(row_tokens, accepted, row_lp)
+    assert tokens is not None and a is not None
+    return _assemble_host(layout, tokens, a, lp)
+
+
+def _assemble_host(layout: DraftLayout, tokens: np.ndarray, a: np.ndarray,
+                   lp: np.ndarray | None) -> SpecOutput:
     keep = layout.rel <= np.repeat(a, layout.num_drafts + 1)
-    tokens = row_tokens.to(torch.int32).cpu().numpy()[keep]
-    lp = row_lp.float().cpu().numpy()[keep] if row_lp is not None else None
-    return SpecOutput(tokens, (a + 1).astype(np.int32), lp)
+    return SpecOutput(tokens[keep], (a + 1).astype(np.int32), lp[keep] if lp is not None else None)
+
+
+def _to_host(*parts: torch.Tensor | None) -> list[np.ndarray | None]:
+    """The step's results in one device-to-host copy (one wait for the stream, as a step without
+    drafts has): integer tensors as int32 and float ones as their float32 bits, packed."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return [None] * len(parts)
+    words = [p.float().view(torch.int32) if p.is_floating_point() else p.to(torch.int32)
+             for p in present]
+    host = torch.cat(words).cpu().numpy()
+    out: list[np.ndarray | None] = []
+    start = 0
+    for p in parts:
+        if p is None:
+            out.append(None)
+            continue
+        chunk = host[start : start + p.numel()]
+        start += p.numel()
+        out.append(chunk.view(np.float32) if p.is_floating_point() else chunk)
+    return out
 
 
 def _device(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(like.device)
+    """A host index array on the logits' device: pinned and non_blocking, no stream wait."""
+    return to_device(a, like.device)

@@ -14,7 +14,7 @@ from workers.model.config import dummy_config
 from workers.model.loader import ShardDummySource, hf_param_shapes, load_model
 
 # Published config.json values (meta-llama/Llama-3.2-1B, meta-llama/Meta-Llama-3-8B,
-# Qwen/Qwen2-0.5B) and their parameter counts, written out by hand.
+# Qwen/Qwen2-0.5B, HuggingFaceTB/SmolLM2-135M) and their parameter counts, written out by hand.
 PUBLISHED = {
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=64, intermediate_size=8192,
@@ -28,8 +28,13 @@ PUBLISHED = {
                        num_key_value_heads=2, head_dim=64, intermediate_size=4864,
                        vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
                        rms_norm_eps=1e-6, max_position_embeddings=131072, attention_bias=True),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                         vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, max_position_embeddings=8192, attention_bias=False),
 }
-PARAMS = {"llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248, "qwen2-0.5b": 494_032_768}
+PARAMS = {"llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248, "qwen2-0.5b": 494_032_768,
+          "smollm2-135m": 134_515_008}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
@@ -99,3 +104,17 @@ def test_config_only_dir_generates(tmp_path: Path) -> None:
         assert all(0 <= t < 512 for o in outs for t in o.token_ids)
     finally:
         assert wait_no_descendants(10) == []
+
+
+def test_checkpoint_dtype_is_read_for_dtype_auto(tmp_path: Path) -> None:
+    from workers.model.loader import load_model_config
+
+    assert dummy_config("dummy:llama-8b").torch_dtype == "bfloat16"
+    assert dummy_config("dummy:tiny").torch_dtype == "float32"
+    path = _tiny_qwen2_dir(tmp_path)
+    assert load_model_config(str(path)).torch_dtype is None
+    for key in ("torch_dtype", "dtype"):  # transformers < 5 and >= 5
+        config = json.loads((path / "config.json").read_text())
+        config.pop("torch_dtype", None)
+        (path / "config.json").write_text(json.dumps(config | {key: "float16"}))
+        assert load_model_config(str(path)).torch_dtype == "float16"

@@ -351,7 +351,7 @@ def test_preempt_keeps_tokens_and_resume_replaces_blocks() -> None:
     assert b.token_ids_of(1) == [5, 6, 7, 100]
 
 
-def test_seeded_generators_follow_their_rows_through_condense() -> None:
+def test_seeds_follow_their_rows_through_condense() -> None:
     b = InputBatch(4, 32, BS)
     news = [_new(h, [h + 1], 1, [h + 1]) for h in range(4)]
     for h in (0, 2, 3):
@@ -366,8 +366,10 @@ def test_seeded_generators_follow_their_rows_through_condense() -> None:
     )
     inp = b.prepare_inputs()
     md = b.sampling_metadata(inp.sample_rows)
-    assert b.num_seeded == 2 and len(md.generators) == 2
+    assert b.num_seeded == 2 and int(md.seeded.sum()) == 2
     for i, row in enumerate(inp.sample_rows.tolist()):
         st = b.states[int(b.handles[row])]
-        assert md.generators.get(i) is st.generator
-        assert (st.generator is None) == (st.handle == 1)
+        assert bool(md.seeded[i]) == (st.sampling_params.seed is not None) == (st.handle != 1)
+        if md.seeded[i]:
+            assert md.seeds[i] == st.sampling_params.seed
+            assert md.positions[i] == b.num_tokens[row] == 2  # keyed by the token position

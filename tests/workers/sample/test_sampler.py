@@ -1,13 +1,26 @@
-"""Sampler: greedy, seeded reproducibility, masking, rank agreement, logprobs."""
+"""Sampler: greedy, seeded reproducibility, masking, rank agreement, logprobs.
+
+Seeded requests are keyed by (seed, token position) in a counter-based generator; these tests
+hold what the earlier per-request torch.Generator streams guaranteed (same tokens across runs,
+ranks and batch compositions, greedy rows drawing nothing), not those streams' exact values."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from workers.sample.sampler import Sampler, SamplingMetadata, make_generator, tokens_checksum
+from workers.sample.sampler import Sampler, SamplingMetadata, tokens_checksum
 
 V = 50
+
+
+def seeded(n: int, seeds: dict[int, int], position: int = 0) -> dict[str, np.ndarray]:
+    """md(...) keyword arguments: rows i -> seeds[i], all at token position `position`."""
+    flags = np.zeros(n, dtype=bool)
+    values = np.zeros(n, dtype=np.int64)
+    for i, sd in seeds.items():
+        flags[i], values[i] = True, sd
+    return dict(seeded=flags, seeds=values, positions=np.full(n, position, dtype=np.int64))
 
 
 def md(n: int, temp: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, **kw):
@@ -27,10 +40,9 @@ def logits(n: int, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax_and_consumes_no_randomness() -> None:
     x = logits(6)
     s = Sampler(seed=3)
-    before = s.shared_generator.get_state()
     out = s(x, md(6, temp=0.0, need_logprobs=True))
     assert torch.equal(out.token_ids, x.argmax(-1))
-    assert torch.equal(s.shared_generator.get_state(), before)
+    assert s.shared_draws == 0
     assert out.logprobs is not None
     expect = torch.log_softmax(x, -1).gather(1, out.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs, expect)
@@ -48,7 +60,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch() -> None:
     x = logits(4)
 
     def run(rows: list[int]) -> list[int]:
-        m = md(len(rows), generators={i: make_generator(1234 + r) for i, r in enumerate(rows)})
+        m = md(len(rows), **seeded(len(rows), {i: 1234 + r for i, r in enumerate(rows)}))
         return Sampler(seed=0)(x[rows], m).token_ids.tolist()
 
     full = run([0, 1, 2, 3])
@@ -59,15 +71,13 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch() -> None:
 
 
 def test_two_instances_same_seed_agree() -> None:
-    """Stand-in for two TP ranks holding identical logits and generators."""
+    """Stand-in for two TP ranks holding identical logits and seeds."""
     a, b = Sampler(seed=7), Sampler(seed=7)
     for step in range(20):
         x = logits(16, seed=step)
-        ga = {0: make_generator(5), 3: make_generator(6)}
-        gb = {0: make_generator(5), 3: make_generator(6)}
         ka = dict(top_k=10, top_p=0.9, min_p=0.01)
-        ta = a(x, md(16, temp=0.8, generators=ga, **ka))
-        tb = b(x.clone(), md(16, temp=0.8, generators=gb, **ka))
+        ta = a(x, md(16, temp=0.8, **seeded(16, {0: 5, 3: 6}, step), **ka))
+        tb = b(x.clone(), md(16, temp=0.8, **seeded(16, {0: 5, 3: 6}, step), **ka))
         assert torch.equal(ta.token_ids, tb.token_ids)
         assert tokens_checksum(ta.token_ids.numpy()) == tokens_checksum(tb.token_ids.numpy())
 
@@ -122,3 +132,39 @@ def test_per_row_options_and_logprobs_of_processed_logits() -> None:
     assert abs(out.logprobs[0].item()) < 1e-6  # only one token survives: logprob 0
     lp1 = torch.log_softmax(x[1] / 0.5, -1)[out.token_ids[1]]
     torch.testing.assert_close(out.logprobs[1], lp1)
+
+
+def test_draw_across_vocab_blocks_follows_the_distribution() -> None:
+    """The two-level inverse CDF: mass spread over several blocks, zero-mass tokens never."""
+    from workers.sample.sampler import draw_tokens
+
+    vocab = 3000  # six blocks, the last one partial
+    probs = torch.zeros(vocab)
+    probs[[3, 700, 1999, 2999]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 8000
+    u = torch.rand(n, 2, generator=torch.Generator().manual_seed(0))
+    toks = draw_tokens(probs.repeat(n, 1), u)
+    freq = torch.bincount(toks, minlength=vocab).float() / n
+    assert freq[[3, 700, 1999, 2999]].sub(torch.tensor([0.1, 0.2, 0.3, 0.4])).abs().max() < 0.02
+    assert freq.sum() == 1 and (freq[probs == 0] == 0).all()
+
+
+def test_top_k_top_p_masks_equal_a_full_sort() -> None:
+    """The partial selection keeps exactly what sorting the vocabulary would (nucleus inside
+    the candidates), top-k and top-p alone and together, rows with neither untouched."""
+    from workers.sample.sampler import _apply_top_k_top_p
+
+    x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(9)) * 4
+    top_k = np.array([0, 40, 40, 0], dtype=np.int32)
+    top_p = np.array([0.8, 1.0, 0.5, 1.0], dtype=np.float32)
+    got = torch.isfinite(_apply_top_k_top_p(x, top_k, top_p))
+    for i in range(3):  # row 3 has neither (a float cumsum may pass 1.0 there)
+        sx, order = x[i].sort(descending=True)
+        k = top_k[i] or 5000
+        sx[k:] = float("-inf")
+        pr = torch.softmax(sx, -1)
+        keep = ((pr.cumsum(-1) - pr) <= top_p[i]) & torch.isfinite(sx)
+        want = torch.zeros(5000, dtype=torch.bool)
+        want[order[keep]] = True
+        assert torch.equal(got[i], want), i
+    assert got[3].all()

@@ -22,7 +22,7 @@ from protocol.messages import (
 from tests.helpers.runner import BS, make_runner
 from workers.runner.input_batch import StateMismatchError
 from workers.runner.model_runner import ModelRunner
-from workers.sample.sampler import Sampler, SamplingMetadata, make_generator
+from workers.sample.sampler import Sampler, SamplingMetadata
 from workers.sample.spec_decode import DraftLayout, SpecOutput, rejection_sample
 
 VOCAB = 512  # dummy:micro
@@ -490,14 +490,14 @@ def test_rejection_sampling_greedy_rows_and_generators() -> None:
     layout = DraftLayout(np.full(4, 2), np.array(ids))
 
     def run(temps: list[float], seeds: dict[int, int]) -> tuple[list[list[int]], bool]:
-        gens = {i: make_generator(s) for i, s in seeds.items()}
-        md = _md(4, generators=gens)
+        flags = np.isin(np.arange(4), list(seeds))
+        values = np.array([seeds.get(i, 0) for i in range(4)], dtype=np.int64)
+        md = _md(4, seeded=flags, seeds=values, positions=np.full(4, 7, dtype=np.int64))
         md.temperature[:] = temps
         s = Sampler(seed=5)
-        before = s.shared_generator.get_state()
         out = rejection_sample(s, x, layout, md)
         per_req = np.split(out.token_ids, np.cumsum(out.counts)[:-1])
-        return [r.tolist() for r in per_req], torch.equal(s.shared_generator.get_state(), before)
+        return [r.tolist() for r in per_req], s.shared_draws == 0
 
     greedy, untouched = run([0.0] * 4, {})
     assert untouched

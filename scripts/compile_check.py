@@ -1,0 +1,193 @@
+"""Compile every Triton kernel of the engine ahead of time for sm_90 and sm_80, at the
+constexpr sets the engine uses for the dummy real-shape presets, without a GPU (Triton ships
+ptxas and cuobjdump). Fails on a compile error, on local-memory spills in a bf16/fp16 kernel, or
+on an attention kernel whose dot is not a tensor-core instruction in the SASS (HMMA on sm_80,
+HMMA or HGMMA on sm_90). Prints a table: kernel, shape, registers, spills, shared memory.
+
+    python scripts/compile_check.py [--quick] [--json]
+
+--quick compiles a representative subset (one preset's decode and prefill attention, the small
+kernels in bf16, sm_90 only); the CI test runs it, this script without it runs the full set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from workers.model.config import DUMMY_PRESETS, REAL_SHAPE_PRESETS  # noqa: E402
+from workers.triton_ops import next_pow2  # noqa: E402
+from workers.triton_ops.kv_cache import _rotary_kv_kernel  # noqa: E402
+from workers.triton_ops.norm_act import _rms_norm_kernel, _silu_and_mul_kernel  # noqa: E402
+from workers.triton_ops.paged_attention import (  # noqa: E402
+    _merge_segments_kernel,
+    _paged_attention_kernel,
+    block_m_for,
+)
+
+_TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+BLOCK_SIZE = 16  # the engine's default KV block size
+
+
+@dataclass
+class Case:
+    kernel: str
+    shape: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    dtype: str
+    attention_dot: bool = False  # the SASS must hold a tensor-core MMA
+
+
+def _attention(preset: str, dt: str, decode: bool) -> Case:
+    cfg = DUMMY_PRESETS[preset]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    block_m = block_m_for(group, 1 if decode else 512)
+    segments = 16 if decode else 1
+    p = "*" + _TY[dt]
+    sig = {n: p for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+    sig |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+            "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+            "scale_log2": "fp32", "num_reqs": "i32"}
+    sig |= {n: "i32" for n in ("stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h",
+                               "stride_c_blk", "stride_c_slot", "stride_c_head", "stride_bt")}
+    const = dict(BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=cfg.head_dim,
+                 HEAD_DIM_P=max(16, next_pow2(cfg.head_dim)), NUM_HEADS=cfg.num_attention_heads,
+                 GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=32,
+                 NUM_SEGMENTS=segments, IEEE=dt == "float32", UPCAST=False, WINDOW=0)
+    sig |= {k: "constexpr" for k in const}
+    kind = "decode" if decode else "prefill"
+    return Case("paged_attention", f"{preset} {kind} M{block_m} S{segments}",
+                _paged_attention_kernel, sig, const, dt, attention_dot=dt != "float32")
+
+
+def _merge(preset: str, dt: str) -> Case:
+    cfg = DUMMY_PRESETS[preset]
+    sig = {"out_ptr": "*" + _TY[dt], "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+           "part_sum_ptr": "*fp32", "qsl_ptr": "*i32", "num_reqs": "i32",
+           "stride_o_t": "i32", "stride_o_h": "i32"}
+    const = dict(HEAD_DIM=cfg.head_dim, HEAD_DIM_P=max(16, next_pow2(cfg.head_dim)),
+                 NUM_HEADS=cfg.num_attention_heads, NUM_SEGMENTS=16)
+    sig |= {k: "constexpr" for k in const}
+    return Case("merge_segments", preset, _merge_segments_kernel, sig, const, dt)
+
+
+def _rotary(preset: str, dt: str) -> Case:
+    cfg = DUMMY_PRESETS[preset]
+    p = "*" + _TY[dt]
+    sig = {"qkv_ptr": p, "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+           "slot_ptr": "*i64", "k_cache_ptr": p, "v_cache_ptr": p}
+    sig |= {n: "i32" for n in ("stride_qkv", "stride_cos", "stride_c_blk", "stride_c_slot",
+                               "stride_c_head")}
+    const = dict(Q_HEADS=cfg.num_attention_heads, KV_HEADS=cfg.num_key_value_heads,
+                 HEAD_DIM=cfg.head_dim, HALF_P=next_pow2(cfg.head_dim // 2),
+                 BLOCK_SIZE=BLOCK_SIZE, ROTATE=True)
+    sig |= {k: "constexpr" for k in const}
+    return Case("rotary_kv", preset, _rotary_kv_kernel, sig, const, dt)
+
+
+def _norm(preset: str, dt: str) -> Case:
+    p = "*" + _TY[dt]
+    sig = {"x_ptr": p, "delta_ptr": p, "w_ptr": p, "out_ptr": p, "stride_x": "i32",
+           "stride_d": "i32", "stride_o": "i32", "n_cols": "i32", "eps": "fp32"}
+    const = dict(BLOCK=next_pow2(DUMMY_PRESETS[preset].hidden_size), RESIDUAL=True)
+    sig |= {k: "constexpr" for k in const}
+    return Case("rms_norm", preset, _rms_norm_kernel, sig, const, dt)
+
+
+def _silu(preset: str, dt: str) -> Case:
+    p = "*" + _TY[dt]
+    sig = {"x_ptr": p, "out_ptr": p, "stride_x": "i32", "stride_o": "i32", "n_cols": "i32",
+           "BLOCK": "constexpr"}
+    const = dict(BLOCK=min(1024, next_pow2(DUMMY_PRESETS[preset].intermediate_size)))
+    return Case("silu_and_mul", preset, _silu_and_mul_kernel, sig, const, dt)
+
+
+def cases(quick: bool) -> list[Case]:
+    if quick:
+        return [_attention("llama-8b", "bfloat16", True), _attention("llama-8b", "bfloat16", False),
+                _merge("llama-8b", "bfloat16"), _rotary("llama-8b", "bfloat16"),
+                _norm("llama-8b", "bfloat16"), _silu("llama-8b", "bfloat16")]
+    out = []
+    for preset in sorted(REAL_SHAPE_PRESETS):
+        for dt in ("bfloat16", "float16"):
+            out += [_attention(preset, dt, True), _attention(preset, dt, False),
+                    _merge(preset, dt), _rotary(preset, dt), _norm(preset, dt), _silu(preset, dt)]
+    return out
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def check(case: Case, arch: int) -> dict:
+    row = {"kernel": case.kernel, "shape": case.shape, "dtype": case.dtype, "arch": f"sm_{arch}"}
+    try:
+        k = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs),
+                           target=GPUTarget("cuda", arch, 32))
+    except Exception as e:  # noqa: BLE001 - any compile failure is the finding
+        return row | {"error": f"compile: {type(e).__name__}: {str(e)[:300]}"}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+
+    def field(name: str) -> int:
+        m = re.search(rf"{name}:(\d+)", res)
+        return int(m.group(1)) if m else 0
+
+    spills = field("STACK") + field("LOCAL")
+    mma = sorted(set(re.findall(r"\b(HGMMA|HMMA|IMMA)\b", sass)))
+    row |= {"registers": field("REG"), "spill_bytes": spills, "shared_bytes": field("SHARED")
+            or int(k.metadata.shared), "num_warps": k.metadata.num_warps,
+            "num_stages": k.metadata.num_stages, "mma": ",".join(mma) or "-"}
+    if spills and case.dtype != "float32":
+        row["error"] = f"{spills} B of local memory (spills) per thread"
+    elif case.attention_dot and not mma:
+        row["error"] = "attention dot is not a tensor-core instruction (no HMMA/HGMMA)"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the representative subset (CI)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    archs = (90,) if args.quick else (90, 80)
+    rows = [check(c, a) for c in cases(args.quick) for a in archs]
+    print(f"triton {triton.__version__}")
+    print(f"{'kernel':16} {'shape':34} {'dtype':9} {'arch':6} {'regs':>4} {'spill':>5} "
+          f"{'smem':>6} {'w':>2} {'st':>2} mma")
+    for r in rows:
+        print(f"{r['kernel']:16} {r['shape']:34} {r['dtype']:9} {r['arch']:6} "
+              f"{r.get('registers', '-'):>4} {r.get('spill_bytes', '-'):>5} "
+              f"{r.get('shared_bytes', '-'):>6} {r.get('num_warps', '-'):>2} "
+              f"{r.get('num_stages', '-'):>2} {r.get('mma', '-')}"
+              + (f"  FAIL: {r['error']}" if "error" in r else ""))
+    failed = [r for r in rows if "error" in r]
+    if args.json:
+        print(json.dumps({"triton": triton.__version__, "kernels": rows, "failed": len(failed)}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
