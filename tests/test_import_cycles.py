@@ -136,3 +136,25 @@ def test_no_import_cycles() -> None:
 
 def test_the_detector_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_layering() -> None:
+    """The scheduler side runs without torch, and the workers meet it only in protocol/."""
+    offenders = []
+    for name, path in _modules().items():
+        top = _top_level_imports(path)
+        if name.split(".")[0] in ("engine_core", "protocol") and "torch" in top:
+            offenders.append(f"{name} imports torch")
+        if name.startswith("workers") and "engine_core" in top:
+            offenders.append(f"{name} imports engine_core")
+    assert offenders == []
