@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from protocol.messages import SamplingParams
+from protocol.structured import structured_error
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -66,6 +67,10 @@ def sampling_error(sp: SamplingParams) -> tuple[str, str] | None:
             return "stop_token_ids", (
                 f"stop_token_ids must hold token ids in [0, {INT32_MAX}], got {t_id}"
             )
+    if sp.structured_outputs is not None:
+        reason = structured_error(sp.structured_outputs)
+        if reason is not None:
+            return "structured_outputs", reason
     return None
 
 

@@ -3,5 +3,6 @@
 from launch.llm import LLM
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from protocol.messages import SamplingParams
+from protocol.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "StreamEvent"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestMetrics", "StreamEvent"]

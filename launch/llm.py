@@ -71,6 +71,7 @@ class LLM:
         self._ipc_dir: str | None = None
         self._closed = False
         self._torch_profiling = False
+        self._grammar_cache: Any = None
         if tensor_parallel_size % nnodes:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} is not divisible by nnodes {nnodes}"
@@ -124,7 +125,15 @@ class LLM:
     def _load_tokenizer(self) -> Any:
         from launch.tokenizer import load_tokenizer
 
-        return load_tokenizer(self.config.model)
+        return load_tokenizer(self.config.tokenizer or self.config.model)
+
+    def _grammars(self) -> Any:
+        """The frontend's grammar cache (launch.structured), built on first use."""
+        if self._grammar_cache is None:
+            from launch.structured import FrontendGrammars
+
+            self._grammar_cache = FrontendGrammars(self.tokenizer, self.info.vocab_size)
+        return self._grammar_cache
 
     def _wait_ready(self, timeout_s: float) -> None:
         assert self.client is not None
@@ -206,6 +215,8 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if any(sp.structured_outputs is not None for sp in params):
+            params = self._grammars().prepare(params)  # ValueError for a bad constraint
         results: list[RequestOutput] = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             ids = self.encode(p)

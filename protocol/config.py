@@ -80,6 +80,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
     worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung
     max_frame_bytes: int = 64 * 1024 * 1024
+    # where the vocabulary comes from when the model has none of its own (dummy:* presets): a
+    # tokenizer directory or .gguf file. The frontend tokenizes with it and every worker builds
+    # its grammar engine's token table from it; None = the model's own tokenizer.
+    tokenizer: str | None = None
 
 
 def config_error(config: EngineConfig) -> str | None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.kv_transfer import KVLoadResult, KVTransfers
+from protocol.structured import StructuredOutputsParams
 
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
 PROTOCOL_VERSION = 2
@@ -53,6 +54,8 @@ class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_default
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False
+    # a grammar the output must follow (JSON schema, regex, choice, EBNF); None costs no bytes
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 # --------------------------------------------------------------------------------------------

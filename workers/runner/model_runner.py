@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from workers.model.config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
     from workers.runner.cuda_graphs import CudaGraphRunner
+    from workers.sample.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,23 @@ class ModelRunner:
         self.kv_bytes_per_block = 0
         self._k_caches: list[torch.Tensor] = []
         self._v_caches: list[torch.Tensor] = []
+        # grammar matchers of constrained requests; built on the first one (xgrammar loads
+        # only then)
+        self.structured: StructuredOutputs | None = None
+
+    def _structured_outputs(self, so: SchedulerOutput) -> StructuredOutputs | None:
+        if self.structured is None and any(
+                nr.sampling_params.structured_outputs is not None for nr in so.new_reqs):
+            from workers.sample.structured import StructuredOutputs
+
+            assert self.model_config is not None
+            k = self.config.num_speculative_tokens
+            self.structured = StructuredOutputs.for_model(
+                self.config.tokenizer or self.config.model, self.model_config.vocab_size,
+                self.config.max_num_seqs * (1 + k), k, self.device)
+        if self.structured is not None:
+            self.structured.apply_diff(so)
+        return self.structured
 
     def load_model(self) -> None:
         from workers.model.loader import load_model, load_model_config
@@ -184,6 +202,8 @@ class ModelRunner:
         if self.kv_offload is not None:
             self.kv_offload.close()
             self.kv_offload = None
+        if self.structured is not None:
+            self.structured.close()
 
     def _settle_kv_loads(self) -> KVLoadResult | None:
         """Disk -> host reads that every rank finished (or any rank failed): the ranks agree
@@ -201,6 +221,7 @@ class ModelRunner:
         assert self.input_batch is not None and self.model is not None
         t0 = time.perf_counter()
         batch = self.input_batch
+        structured = self._structured_outputs(so)
         batch.apply(so)
         offload = self.kv_offload
         copy_us = 0.0
@@ -215,6 +236,9 @@ class ModelRunner:
                 kv_load=self._settle_kv_loads() if offload is not None else None,
                 kv_copy_us=copy_us)
         inputs = batch.prepare_inputs()
+        # constrained requests' masks are filled on a helper thread while the forward runs
+        masks = (structured.plan(batch.handles[inputs.sample_rows], inputs.drafts)
+                 if structured is not None else None)
         if offload is not None:
             offload.wait_before_forward()  # this step's tier copies land before the forward
         if self.graphs is not None and self.graphs.can_run(inputs):
@@ -234,7 +258,8 @@ class ModelRunner:
             else:
                 idx = torch.from_numpy(inputs.logits_indices)
             md = batch.sampling_metadata(inputs.sample_rows)
-            if not md.need_logprobs and bool((md.temperature <= GREEDY_EPS).all()):
+            if (masks is None and not md.need_logprobs
+                    and bool((md.temperature <= GREEDY_EPS).all())):
                 # All greedy: argmax per vocab shard, no full-logit all-gather; drafts only
                 # add logits indices.
                 targets = self.model.greedy_tokens(hidden[idx])
@@ -245,6 +270,10 @@ class ModelRunner:
                 t2 = time.perf_counter()
             else:
                 logits = self.model.compute_logits(hidden[idx])
+                if masks is not None:
+                    assert structured is not None
+                    logits = logits.float()
+                    structured.apply(masks, logits)
                 t2 = time.perf_counter()
                 if drafts is None:
                     out = self.sampler(logits, md)
@@ -262,6 +291,11 @@ class ModelRunner:
         if spec is not None:
             sampled, counts, lp = spec.token_ids, spec.counts, spec.logprobs
         batch.update_after_step(inputs, sampled, counts)
+        if masks is not None:
+            assert structured is not None
+            structured.accept(masks, sampled, counts)
+        if structured is not None:
+            structured.take_failed(batch.failed)
         t3 = time.perf_counter()
 
         handles = batch.handles[inputs.sample_rows]

@@ -1,0 +1,130 @@
+"""Compiling constraints with xgrammar: the token table once per model, grammars once per key.
+
+Used by the frontend (to refuse a bad schema, regex or grammar before anything is queued) and
+by every worker (each compiles the grammars of its own requests). Compilation runs on a small
+thread pool: xgrammar's compiler releases the GIL, so a step in progress keeps its core while a
+grammar compiles next to it. Compiled grammars are cached by the constraint's key (xgrammar's
+compiler also caches by source, so a key seen again costs a dict lookup).
+
+The vocabulary comes from the frontend's tokenizer loader (launch.tokenizer) given the same
+source the frontend uses (EngineConfig.tokenizer, else the model): one loader, so the frontend
+and every rank see one table.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xgrammar as xgr
+
+from protocol.structured import StructuredOutputsParams
+
+# compilation is CPU work that competes with the forward; two threads keep one free core
+COMPILE_THREADS = 2
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar engine cannot compile; the message says what is wrong."""
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's token table for a launch.tokenizer.Tokenizer and a model's logits width.
+
+    A tokenizer larger than the model (a real tokenizer on a small dummy model) is cut to the
+    model's width: tokens the model cannot emit need no entry.
+    """
+    backend = tokenizer.backend
+    vocab = backend.get_vocab(with_added_tokens=True)
+    encoded = [""] * min(vocab_size, max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        if i < len(encoded):
+            encoded[i] = text
+    decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+    if "ByteLevel" in decoder:
+        vocab_type = xgr.VocabType.BYTE_LEVEL
+    elif "ByteFallback" in decoder:
+        vocab_type = xgr.VocabType.BYTE_FALLBACK
+    else:
+        vocab_type = xgr.VocabType.RAW
+    eos = tokenizer.eos_token_id
+    stops = [eos] if eos is not None and eos < vocab_size else None
+    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=vocab_size, stop_token_ids=stops)
+
+
+def load_tokenizer_info(source: str, vocab_size: int) -> xgr.TokenizerInfo:
+    """The token table of a tokenizer source (directory, .gguf, or model name)."""
+    from launch.tokenizer import load_tokenizer  # the one loader the frontend uses
+
+    tok = load_tokenizer(source)
+    if tok is None:
+        raise GrammarError(
+            f"structured outputs need a tokenizer: {source!r} has none "
+            "(pass tokenizer=... / --tokenizer with a tokenizer directory or .gguf file)"
+        )
+    return tokenizer_info(tok, vocab_size)
+
+
+def compile_constraint(
+    compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams
+) -> xgr.CompiledGrammar:
+    """Compile one constraint; GrammarError names what is wrong with it."""
+    kind = spec.kind()
+    try:
+        if kind == "json":
+            assert isinstance(spec.json, str)
+            json.loads(spec.json)  # a clearer message than the compiler's for broken JSON
+            return compiler.compile_json_schema(spec.json, any_whitespace=False)
+        if kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            assert spec.regex is not None
+            return compiler.compile_regex(spec.regex)
+        if kind == "choice":
+            assert spec.choice is not None
+            rule = " | ".join(json.dumps(c) for c in spec.choice)
+            return compiler.compile_grammar(f"root ::= {rule}")
+        assert spec.grammar is not None
+        return compiler.compile_grammar(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GrammarError(f"invalid structured_outputs.{kind}: {first}") from None
+
+
+class GrammarCache:
+    """Compiled grammars by key, compiled on a thread pool; the token table built once, lazily
+    (on the pool too: a tokenizer can take seconds to load)."""
+
+    def __init__(self, info_factory: Any) -> None:
+        self._info_factory = info_factory  # () -> xgr.TokenizerInfo
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()  # guards _futures; held only for dict work
+        self._compiler_lock = threading.Lock()  # held while the token table is built
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._futures: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of ``spec``, now or later; a failed compile is not cached."""
+        key = spec.key()
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._futures[key] = fut
+            return fut
+
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                # the compiler's own threads: one, the pool above gives the parallelism
+                self._compiler = xgr.GrammarCompiler(self._info_factory(), max_threads=1)
+            return self._compiler
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        return compile_constraint(self.compiler(), spec)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
