@@ -14,6 +14,8 @@ from launch.serve.field_checks import check_logprobs, check_messages
 from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dicts
+from launch.serve.structured import constrain, request_constraint
+from launch.serve.tools import tool_constraint, with_tool_calls
 
 
 def chat_prompt(
@@ -69,6 +71,15 @@ async def create_chat_completion(
     want_lp = req.logprobs
     top = req.top_logprobs or 0
     gen = ctx.start_generation("chatcmpl", req, [ids], max_tokens, want_lp, param)
+    extra = req.model_extra or {}
+    spec, tools = request_constraint(extra), tool_constraint(extra)
+    plan = None
+    if tools is not None:
+        if spec is not None:
+            raise bad_request("a forced tool call and a structured output constraint cannot "
+                              "be combined", "tool_choice")
+        spec, plan = tools
+    await constrain(ctx, gen, spec, "tools" if plan is not None else "response_format")
     head = ctx.chunk_head(gen, "chat.completion.chunk")
     tok = ctx.tokenizer
     started: set[int] = set()
@@ -105,7 +116,7 @@ async def create_chat_completion(
             }
             if req.return_token_ids:
                 choice |= {"token_ids": c.token_ids, "prompt_token_ids": c.prompt_ids}
-            choices.append(choice)
+            choices.append(with_tool_calls(choice, plan))
         return head | {"object": "chat.completion", "choices": choices, "usage": gen.usage()}
 
     opts = req.stream_options

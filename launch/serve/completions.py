@@ -14,6 +14,7 @@ from launch.serve.field_checks import check_logprobs
 from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import CompletionRequest
+from launch.serve.structured import constrain, request_constraint
 
 
 def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
@@ -55,6 +56,7 @@ async def create_completion(
     want_lp = req.logprobs is not None
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     gen = ctx.start_generation("cmpl", req, prompts, max_tokens, want_lp)
+    await constrain(ctx, gen, request_constraint(req.model_extra or {}), "response_format")
     head = ctx.chunk_head(gen, "text_completion")
     tok = ctx.tokenizer
     text_offsets: dict[int, int] = {}

@@ -45,6 +45,8 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
     _prompt_chars: int | None = field(default=None, init=False)
+    # launch.structured.FrontendGrammars, built on the first constrained request
+    grammars: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.served_names[0])

@@ -2,7 +2,8 @@
 
 Used by the frontend (to refuse a bad schema, regex or grammar before anything is queued) and
 by every worker (each compiles the grammars of its own requests). Compilation runs on a small
-thread pool: xgrammar's compiler releases the GIL, so a step in progress keeps its core while a
+thread pool, and so does importing xgrammar (seconds: it pulls in transformers), so no step
+ever waits for it: xgrammar's compiler releases the GIL, so a step in progress keeps its core while a
 grammar compiles next to it. Compiled grammars are cached by the constraint's key (xgrammar's
 compiler also caches by source, so a key seen again costs a dict lookup).
 
@@ -14,14 +15,18 @@ and every rank see one table.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from protocol.structured import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:line: ": noise to a client
+_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 # compilation is CPU work that competes with the forward; two threads keep one free core
 COMPILE_THREADS = 2
 
@@ -36,12 +41,19 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
     A tokenizer larger than the model (a real tokenizer on a small dummy model) is cut to the
     model's width: tokens the model cannot emit need no entry.
     """
+    import xgrammar as xgr  # seconds to import: only ever on the compile pool
+
     backend = tokenizer.backend
     vocab = backend.get_vocab(with_added_tokens=True)
     encoded = [""] * min(vocab_size, max(vocab.values()) + 1)
     for text, i in vocab.items():
         if i < len(encoded):
             encoded[i] = text
+    # special tokens ("<|im_start|>", "<s>") are control, not text: an empty entry keeps
+    # xgrammar from ever allowing one inside a string (the stop token is allowed as a stop)
+    for i, added in backend.get_added_tokens_decoder().items():
+        if added.special and i < len(encoded):
+            encoded[i] = ""
     decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
     if "ByteLevel" in decoder:
         vocab_type = xgr.VocabType.BYTE_LEVEL
@@ -78,7 +90,8 @@ def compile_constraint(
             json.loads(spec.json)  # a clearer message than the compiler's for broken JSON
             return compiler.compile_json_schema(spec.json, any_whitespace=False)
         if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            # an object, not any JSON value (the builtin JSON grammar also takes arrays)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             assert spec.regex is not None
             return compiler.compile_regex(spec.regex)
@@ -89,7 +102,8 @@ def compile_constraint(
         assert spec.grammar is not None
         return compiler.compile_grammar(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e).strip()
+        first = _LOCATION.sub("", text.splitlines()[0]) if text else type(e).__name__
         raise GrammarError(f"invalid structured_outputs.{kind}: {first}") from None
 
 
@@ -119,6 +133,8 @@ class GrammarCache:
     def compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
+                import xgrammar as xgr
+
                 # the compiler's own threads: one, the pool above gives the parallelism
                 self._compiler = xgr.GrammarCompiler(self._info_factory(), max_threads=1)
             return self._compiler

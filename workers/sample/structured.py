@@ -20,16 +20,19 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from protocol.codec import unpack
 from protocol.messages import SchedulerOutput
 from protocol.structured import StructuredOutputsParams
 from workers.sample.grammar import GrammarCache, load_tokenizer_info
 from workers.sample.spec_decode import DraftLayout
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,9 @@ class StructuredOutputs:
         self.max_drafts = max_drafts
         self.pending: dict[int, Future[xgr.CompiledGrammar]] = {}
         self.matchers: dict[int, xgr.GrammarMatcher] = {}
-        self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
+        # xgrammar's layout (allocate_token_bitmask): 32 tokens per int32, -1 = all allowed;
+        # made here so xgrammar itself is first imported on the compile pool, not in a step
+        self.bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
         if device.type == "cuda":
             self.bitmask = self.bitmask.pin_memory()
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask")
@@ -94,6 +99,8 @@ class StructuredOutputs:
         except Exception as e:  # noqa: BLE001 - this request's failure, not the rank's
             self.failed[handle] = f"structured output grammar failed: {e}"
             return None
+        import xgrammar as xgr  # loaded by the compile that just finished
+
         m = xgr.GrammarMatcher(grammar, max_rollback_tokens=self.max_drafts)
         self.matchers[handle] = m
         return m
@@ -155,6 +162,8 @@ class StructuredOutputs:
 
     def apply(self, step: StepMasks, logits: torch.Tensor) -> None:
         """Mask the constrained rows of ``logits`` (float32) in place, in one op."""
+        import xgrammar as xgr
+
         step.fill.result()
         n = logits.shape[0]
         mask = self.bitmask[:n]
