@@ -5,4 +5,5 @@ from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from protocol.messages import SamplingParams
 from protocol.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestMetrics", "StreamEvent"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestMetrics",
+           "StreamEvent"]

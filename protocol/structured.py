@@ -64,6 +64,8 @@ def structured_error(p: StructuredOutputsParams) -> str | None:
             return "structured_outputs.choice must be a list of strings"
     for name in ("json", "regex", "grammar"):
         v = getattr(p, name)
-        if v is not None and (not isinstance(v, str) or not v):
+        if v is not None and not isinstance(v, str):
+            return f"structured_outputs.{name} must be a string, got {type(v).__name__}"
+        if v is not None and not v:
             return f"structured_outputs.{name} is empty"
     return None

@@ -71,10 +71,9 @@ def _response_format(rf: Any) -> StructuredOutputsParams | None:
 
 
 def _spec(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
-    try:
-        return msgspec.convert(fields, StructuredOutputsParams)
-    except msgspec.ValidationError as e:
-        raise bad_request(f"{param}: {e}", param) from None
+    # keyword construction (the struct is array-shaped on the wire); types are checked by
+    # protocol.structured.structured_error before anything is compiled
+    return StructuredOutputsParams(**fields)
 
 
 async def constrain(ctx: Any, gen: Generation, spec: StructuredOutputsParams | None,

@@ -104,7 +104,7 @@ def test_constrained_outputs_are_valid(tok_dir: str, options: dict[str, Any]) ->
 def test_bad_constraints_are_refused_and_the_engine_keeps_serving(tok_dir: str) -> None:
     bad = {
         "json": StructuredOutputsParams(json='{"type": "objec"}'),
-        "json": StructuredOutputsParams(json="{not json"),
+        "json: Expecting": StructuredOutputsParams(json="{not json"),
         "regex": StructuredOutputsParams(regex="[a-"),
         "grammar": StructuredOutputsParams(grammar="root ::= "),
         "choice": StructuredOutputsParams(choice=[]),

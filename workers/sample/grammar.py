@@ -3,9 +3,9 @@
 Used by the frontend (to refuse a bad schema, regex or grammar before anything is queued) and
 by every worker (each compiles the grammars of its own requests). Compilation runs on a small
 thread pool, and so does importing xgrammar (seconds: it pulls in transformers), so no step
-ever waits for it: xgrammar's compiler releases the GIL, so a step in progress keeps its core while a
-grammar compiles next to it. Compiled grammars are cached by the constraint's key (xgrammar's
-compiler also caches by source, so a key seen again costs a dict lookup).
+waits for either; xgrammar's compiler releases the GIL, so a step in progress keeps its core
+while a grammar compiles next to it. Compiled grammars are cached by the constraint's key
+(xgrammar's compiler also caches by source, so a key seen again costs a dict lookup).
 
 The vocabulary comes from the frontend's tokenizer loader (launch.tokenizer) given the same
 source the frontend uses (EngineConfig.tokenizer, else the model): one loader, so the frontend
