@@ -1,8 +1,11 @@
 """Compile every Triton kernel of the engine ahead of time for sm_90 and sm_80, at the
-constexpr sets the engine uses for the dummy real-shape presets, without a GPU (Triton ships
-ptxas and cuobjdump). Fails on a compile error, on local-memory spills in a bf16/fp16 kernel, or
-on an attention kernel whose dot is not a tensor-core instruction in the SASS (HMMA on sm_80,
-HMMA or HGMMA on sm_90). Prints a table: kernel, shape, registers, spills, shared memory.
+constexpr sets and launch options (workers/triton_ops/attention_config.py) the engine uses for
+the dummy real-shape presets, without a GPU (Triton ships ptxas and cuobjdump). Fails on a
+compile error, on local-memory spills in a bf16/fp16 kernel, or on an attention kernel whose
+dot is not a tensor-core instruction in the SASS (HMMA on sm_80, HMMA or HGMMA on sm_90) or
+whose K/V tiles are not double-buffered in the TTGIR (fewer than 2
+async-copy buffers). Prints a table: kernel, shape, registers, spills, shared memory, warps,
+stages, K/V buffers.
 
     python scripts/compile_check.py [--quick] [--json]
 
@@ -32,12 +35,14 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from workers.model.config import DUMMY_PRESETS, REAL_SHAPE_PRESETS  # noqa: E402
 from workers.triton_ops import next_pow2  # noqa: E402
+from workers.triton_ops.attention_config import attention_config  # noqa: E402
 from workers.triton_ops.kv_cache import _rotary_kv_kernel  # noqa: E402
 from workers.triton_ops.norm_act import _rms_norm_kernel, _silu_and_mul_kernel  # noqa: E402
 from workers.triton_ops.paged_attention import (  # noqa: E402
     _merge_segments_kernel,
     _paged_attention_kernel,
     block_m_for,
+    is_decode_block,
 )
 
 _TY = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -53,6 +58,25 @@ class Case:
     constexprs: dict[str, object]
     dtype: str
     attention_dot: bool = False  # the SASS must hold a tensor-core MMA
+    # Example values of integer arguments (strides) at this preset's shapes: those divisible
+    # by 16 are compiled as such, as the launcher's JIT specializes them at run time.
+    ints: dict[str, int] | None = None
+    # Per architecture: the constexprs and launch options (num_warps, num_stages) of the
+    # attention config's row; Triton's defaults and `constexprs` otherwise.
+    per_arch: dict[int, tuple[dict[str, object], dict[str, int]]] | None = None
+
+    def attrs(self) -> dict[tuple[int, ...], list[list[object]]]:
+        """What Triton's JIT would mark at a launch: every pointer 16-byte aligned (torch's
+        allocations are, and the kernels take views at offset 0) and every integer argument
+        whose value is a multiple of 16. Without these marks the compiler cannot prove a
+        16-byte vector load, so cp.async (and the K/V pipelining) never appears and the
+        registers are not the ones that run."""
+        out: dict[tuple[int, ...], list[list[object]]] = {}
+        for i, (name, ty) in enumerate(self.signature.items()):
+            div = ty.startswith("*") or (self.ints or {}).get(name, 1) % 16 == 0
+            if ty != "constexpr" and div:
+                out[(i,)] = [["tt.divisibility", 16]]
+        return out
 
 
 def _attention(preset: str, dt: str, decode: bool) -> Case:
@@ -72,9 +96,20 @@ def _attention(preset: str, dt: str, decode: bool) -> Case:
                  GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=32,
                  NUM_SEGMENTS=segments, IEEE=dt == "float32", UPCAST=False, WINDOW=0)
     sig |= {k: "constexpr" for k in const}
+    # The block table's row stride is its live width (any number): not marked divisible.
+    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ints = dict(stride_q_t=(h + 2 * kvh) * hd, stride_q_h=hd, stride_o_t=h * hd, stride_o_h=hd,
+                stride_c_blk=BLOCK_SIZE * kvh * hd, stride_c_slot=kvh * hd, stride_c_head=hd,
+                stride_bt=1)
+    per_arch = {}
+    for arch in (90, 80):
+        tune = attention_config(hd, dt, arch, is_decode_block(group, block_m))
+        per_arch[arch] = (const | {"BLOCK_N": tune.block_n},
+                          {"num_warps": tune.num_warps, "num_stages": tune.num_stages})
     kind = "decode" if decode else "prefill"
     return Case("paged_attention", f"{preset} {kind} M{block_m} S{segments}",
-                _paged_attention_kernel, sig, const, dt, attention_dot=dt != "float32")
+                _paged_attention_kernel, sig, const, dt, attention_dot=dt != "float32",
+                ints=ints, per_arch=per_arch)
 
 
 def _merge(preset: str, dt: str) -> Case:
@@ -138,9 +173,14 @@ def _tool(name: str) -> str:
 
 def check(case: Case, arch: int) -> dict:
     row = {"kernel": case.kernel, "shape": case.shape, "dtype": case.dtype, "arch": f"sm_{arch}"}
+    constexprs: dict[str, object] = case.constexprs
+    options: dict[str, int] = {}
+    if case.per_arch is not None:
+        constexprs, options = case.per_arch[arch]
     try:
-        k = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs),
-                           target=GPUTarget("cuda", arch, 32))
+        k = triton.compile(ASTSource(case.fn, case.signature, constexprs=constexprs,
+                                     attrs=case.attrs()),
+                           target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # noqa: BLE001 - any compile failure is the finding
         return row | {"error": f"compile: {type(e).__name__}: {str(e)[:300]}"}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -157,14 +197,30 @@ def check(case: Case, arch: int) -> dict:
 
     spills = field("STACK") + field("LOCAL")
     mma = sorted(set(re.findall(r"\b(HGMMA|HMMA|IMMA)\b", sass)))
-    row |= {"registers": field("REG"), "spill_bytes": spills, "shared_bytes": field("SHARED")
-            or int(k.metadata.shared), "num_warps": k.metadata.num_warps,
-            "num_stages": k.metadata.num_stages, "mma": ",".join(mma) or "-"}
+    bufs = kv_buffers(k.asm["ttgir"])
+    # cuobjdump reports static shared memory only; the pipeline buffers are dynamic
+    smem = max(field("SHARED"), int(k.metadata.shared))
+    row |= {"registers": field("REG"), "spill_bytes": spills, "shared_bytes": smem,
+            "num_warps": k.metadata.num_warps, "num_stages": k.metadata.num_stages,
+            "kv_buffers": bufs, "mma": ",".join(mma) or "-"}
     if spills and case.dtype != "float32":
         row["error"] = f"{spills} B of local memory (spills) per thread"
     elif case.attention_dot and not mma:
         row["error"] = "attention dot is not a tensor-core instruction (no HMMA/HGMMA)"
+    elif case.attention_dot and bufs < 2:
+        row["error"] = f"K/V tiles not double-buffered in the TTGIR ({bufs} async buffer(s))"
     return row
+
+
+def kv_buffers(ttgir: str) -> int:
+    """How many shared-memory buffers the software pipeliner gave the deepest async-copied
+    half-precision tile (the K/V tiles of the attention loop): the leading dimension of a
+    mutable multi-buffer allocation, 0 when nothing is copied asynchronously."""
+    if "async_copy_global_to_local" not in ttgir:
+        return 0
+    shapes = re.findall(r"ttg\.local_alloc[^\n]*!ttg\.memdesc<(\d+)x\d+x\d+x(?:bf16|f16)[^>]*"
+                        r"mutable>", ttgir)
+    return max((int(n) for n in shapes), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [check(c, a) for c in cases(args.quick) for a in archs]
     print(f"triton {triton.__version__}")
     print(f"{'kernel':16} {'shape':34} {'dtype':9} {'arch':6} {'regs':>4} {'spill':>5} "
-          f"{'smem':>6} {'w':>2} {'st':>2} mma")
+          f"{'smem':>6} {'w':>2} {'st':>2} {'kvb':>3} mma")
     for r in rows:
         print(f"{r['kernel']:16} {r['shape']:34} {r['dtype']:9} {r['arch']:6} "
               f"{r.get('registers', '-'):>4} {r.get('spill_bytes', '-'):>5} "
               f"{r.get('shared_bytes', '-'):>6} {r.get('num_warps', '-'):>2} "
-              f"{r.get('num_stages', '-'):>2} {r.get('mma', '-')}"
+              f"{r.get('num_stages', '-'):>2} {r.get('kv_buffers', '-'):>3} {r.get('mma', '-')}"
               + (f"  FAIL: {r['error']}" if "error" in r else ""))
     failed = [r for r in rows if "error" in r]
     if args.json:

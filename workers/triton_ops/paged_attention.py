@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from workers.triton_ops import interpreting, next_pow2
+from workers.triton_ops.attention_config import AttentionConfig, attention_config
 
 _LOG2E = 1.4426950408889634
 
@@ -111,10 +112,19 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    # The block ids of tile i + 1 are read during tile i and carried in a register: the K/V
+    # loads then depend on no load of their own iteration, which is what lets Triton's
+    # pipeliner keep the next tiles' K/V copies in flight (num_stages - 1 buffers) while this
+    # tile's dots run. With the lookup in the same iteration it waits on every copy at the top.
+    offs_t = tl.arange(0, BLOCK_N)
+    blk_next = tl.load(bt_row + (key_lo + offs_t) // BLOCK_SIZE,
+                       mask=key_lo + offs_t < key_hi, other=0)
     for start in range(key_lo, key_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_n = start + offs_t
         n_ok = offs_n < key_hi
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        blk = blk_next.to(tl.int64)
+        nxt = offs_n + BLOCK_N
+        blk_next = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < key_hi, other=0)
         kv_off = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot \
             + kv_head * stride_c_head
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None],
@@ -197,6 +207,12 @@ def block_m_for(group: int, max_query_len: int) -> int:
     return base
 
 
+def is_decode_block(group: int, block_m: int) -> bool:
+    """block_m is the narrow decode width for this group (a query block of one token), the
+    attention config's decode rows."""
+    return block_m == max(16, next_pow2(group))
+
+
 def partials(num_tokens: int, num_heads: int, head_dim: int, num_segments: int,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scratch for the split-key partials of one step (shared by every layer)."""
@@ -212,11 +228,13 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, block_m: int,
                     num_segments: int = 1,
                     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    block_n: int = 32, sliding_window: int = 0) -> None:
+                    config: AttentionConfig | None = None, sliding_window: int = 0) -> None:
     """out[T, H, hd] = attention of q[T, H, hd] (rows may be strided views) over the paged
     caches [blocks, block_size, KVH, hd]. block_table [R, W] int32, seq_lens [R] int32,
     query_start_loc [R+1] int32; rows of out past query_start_loc[R] are not written.
     sliding_window > 0: a query at position p sees only the keys in (p - sliding_window, p].
+    config: tile and launch constants (workers/triton_ops/attention_config.py); default the
+    table's row for this head dim and dtype with no GPU architecture.
 
     Nothing here reads device memory on the host, so it can be captured in a CUDA graph.
     """
@@ -237,6 +255,9 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     else:
         part_out = part_max = part_sum = out  # unused
     hd_p = max(16, next_pow2(head_dim))
+    if config is None:
+        config = attention_config(head_dim, str(q.dtype).removeprefix("torch."), 0,
+                                  is_decode_block(group, block_m))
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         part_out, part_max, part_sum,
@@ -244,9 +265,10 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_P=hd_p, NUM_HEADS=num_heads,
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         NUM_SEGMENTS=num_segments, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype != torch.float32, WINDOW=sliding_window,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
