@@ -7,7 +7,19 @@ max_num_batched_tokens tokens measures the peak activation memory; the KV cache 
 
 "Memory in use" is the device's own figure (total - free), so the CUDA context, the weights and
 anything else on the GPU count against the budget, and what 1 - utilization leaves free is room
-for CUDA graphs and allocator fragmentation. On CPU the budget is a fixed byte count.
+for allocator fragmentation. Two more terms come out of the KV cache:
+
+- the sampler's peak: sampling runs after the forward (whose activations are free again by
+  then) on max_num_seqs x (1 + drafts) rows of full-vocabulary logits and holds several float32
+  copies of them (workers/sample/peak_memory.py counts them), so the step's peak is the larger
+  of the profiled forward and the sampler's peak;
+- the CUDA graph pool: captured graphs keep their activations in a private pool that eager
+  steps cannot reuse, so it is added. All graphs share one pool, captured largest first, so it
+  holds about the activations of the largest graph's token count: the profile's peak scaled
+  from the profile's token count to that one, plus a fixed allowance per graph for the
+  instantiated graph itself.
+
+On CPU the budget is a fixed byte count.
 `num_gpu_blocks_override` beats everything, then an explicit `kv_cache_memory`.
 
 The device queries are parameters, so the arithmetic is tested on CPU with stubbed figures.
@@ -43,6 +55,8 @@ class KVCachePlan:
     peak_activation_bytes: int | None
     total_bytes: int | None  # the device's memory, where it was queried
     source: str  # num_gpu_blocks_override | kv_cache_memory | gpu_memory_utilization | cpu default
+    sampler_bytes: int = 0  # the sampler's peak (counted, not profiled)
+    graph_bytes: int = 0  # the CUDA graph pool's estimate (0: no graphs)
 
     def log_line(self, rank: int, device: str) -> str:
         def mib(n: int | None) -> str:
@@ -52,17 +66,37 @@ class KVCachePlan:
         return (
             f"rank {rank} on {device}: weights {mib(self.weights_bytes)} "
             f"({self.weights_bytes} B), peak activations {mib(self.peak_activation_bytes)}, "
+            f"sampler peak {mib(self.sampler_bytes)}, CUDA graphs {mib(self.graph_bytes)}, "
             f"KV cache {mib(self.kv_bytes)} ({self.kv_bytes} B) = {self.num_blocks} blocks of "
             f"{self.bytes_per_block} B [{self.source}]{total}"
         )
 
 
+# Device memory of one instantiated CUDA graph beyond its pool (its nodes and kernel
+# parameters; a few hundred KiB for a few hundred launches): an allowance, not a measurement.
+GRAPH_OVERHEAD_BYTES = 2 * MiB
+
+
 def kv_bytes_from_utilization(
-    total_bytes: int, utilization: float, used_after_load: int, peak_activation_bytes: int
+    total_bytes: int, utilization: float, used_after_load: int, peak_activation_bytes: int,
+    sampler_bytes: int = 0, graph_bytes: int = 0,
 ) -> int:
     """What `total * utilization` leaves for the KV cache once the memory already in use (CUDA
-    context, weights, other processes) and the profile run's peak increase are taken out."""
-    return int(total_bytes * utilization) - used_after_load - peak_activation_bytes
+    context, weights, other processes), the step's peak (the profiled forward or the sampler,
+    whichever is larger: they do not overlap) and the CUDA graph pool are taken out."""
+    step_peak = max(peak_activation_bytes, sampler_bytes)
+    return int(total_bytes * utilization) - used_after_load - step_peak - graph_bytes
+
+
+def graph_pool_bytes(peak_activation_bytes: int, profile_tokens: int, num_graphs: int,
+                     max_graph_tokens: int) -> int:
+    """Estimated memory of num_graphs CUDA graphs sharing one pool, the largest of
+    max_graph_tokens tokens, from a profile forward of profile_tokens tokens that peaked at
+    peak_activation_bytes (activations grow about linearly with the token count)."""
+    if num_graphs <= 0 or profile_tokens <= 0:
+        return 0
+    scale = min(1.0, max_graph_tokens / profile_tokens)
+    return int(peak_activation_bytes * scale) + num_graphs * GRAPH_OVERHEAD_BYTES
 
 
 def plan_kv_cache(
@@ -73,18 +107,23 @@ def plan_kv_cache(
     weights_bytes: int,
     mem_get_info: Callable[[], tuple[int, int]] | None = None,
     profile_peak: Callable[[], int] | None = None,
+    sampler_bytes: int = 0,
+    graph_bytes: Callable[[int], int] | None = None,
 ) -> KVCachePlan:
     """The KV cache size for one rank.
 
     mem_get_info() -> (free, total) bytes of the device (torch.cuda.mem_get_info); profile_peak()
     runs the profile forward and returns its peak increase over the memory allocated before it.
-    Both are only called on CUDA when neither override is set.
+    Both are only called on CUDA when neither override is set. sampler_bytes: the sampler's
+    peak (sampler_peak_bytes); graph_bytes(profiled peak): the CUDA graph pool's estimate
+    (graph_pool_bytes), None without graphs.
     """
 
     def plan(num_blocks: int, source: str, peak: int | None = None,
-             total: int | None = None) -> KVCachePlan:
+             total: int | None = None, graphs: int = 0) -> KVCachePlan:
         return KVCachePlan(num_blocks, num_blocks * bytes_per_block, bytes_per_block,
-                           weights_bytes, peak, total, source)
+                           weights_bytes, peak, total, source,
+                           sampler_bytes if peak is not None else 0, graphs)
 
     if config.num_gpu_blocks_override is not None:
         return _checked(plan(config.num_gpu_blocks_override, "num_gpu_blocks_override"), config)
@@ -97,16 +136,20 @@ def plan_kv_cache(
         raise ValueError("sizing the KV cache on CUDA needs mem_get_info and profile_peak")
     free_before, total = mem_get_info()
     peak = profile_peak()
-    kv = kv_bytes_from_utilization(total, config.gpu_memory_utilization, total - free_before, peak)
-    result = plan(max(kv, 0) // bytes_per_block, "gpu_memory_utilization", peak, total)
+    graphs = graph_bytes(peak) if graph_bytes is not None else 0
+    kv = kv_bytes_from_utilization(total, config.gpu_memory_utilization, total - free_before,
+                                   peak, sampler_bytes, graphs)
+    result = plan(max(kv, 0) // bytes_per_block, "gpu_memory_utilization", peak, total, graphs)
     if result.num_blocks < 2:
         raise ValueError(
             f"no room for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} of "
             f"{total / MiB:.0f} MiB is {total * config.gpu_memory_utilization / MiB:.0f} MiB, but "
             f"{(total - free_before) / MiB:.0f} MiB are already in use (weights "
-            f"{weights_bytes / MiB:.0f} MiB) and the profile run of max_num_batched_tokens "
-            f"needs {peak / MiB:.0f} MiB more; raise --gpu-memory-utilization, lower "
-            "--max-num-batched-tokens, use more tensor-parallel ranks or free the GPU"
+            f"{weights_bytes / MiB:.0f} MiB), the profile run of max_num_batched_tokens "
+            f"needs {peak / MiB:.0f} MiB more (the sampler {sampler_bytes / MiB:.0f} MiB) and "
+            f"the CUDA graphs about {graphs / MiB:.0f} MiB; raise --gpu-memory-utilization, "
+            "lower --max-num-batched-tokens or --max-num-seqs, use more tensor-parallel ranks, "
+            "--enforce-eager, or free the GPU"
         )
     return result
 
@@ -192,10 +235,21 @@ def cuda_profile_peak(model: LlamaForCausalLM, num_tokens: int, max_model_len: i
 
 
 def plan_for_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.device,
-                   block_size: int, max_model_len: int, rank: int) -> KVCachePlan:
+                   block_size: int, max_model_len: int, rank: int,
+                   graph_shapes: tuple[int, int] | None = None) -> KVCachePlan:
     """A loaded model's KV cache sizing on this rank (what the model runner allocates),
-    logged once."""
+    logged once. graph_shapes: (number of CUDA graphs, the largest one's token count), None
+    when this rank captures none."""
+    from workers.sample.peak_memory import sampler_peak_bytes
+
     budget = config.max_num_batched_tokens or default_max_batched_tokens(device.type)
+    rows = config.max_num_seqs * (1 + config.num_speculative_tokens)  # drafts are sampled too
+
+    def graph_bytes(peak: int) -> int:
+        if graph_shapes is None:
+            return 0
+        return graph_pool_bytes(peak, budget, *graph_shapes)
+
     plan = plan_kv_cache(
         config,
         device_type=device.type,
@@ -204,6 +258,8 @@ def plan_for_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.
         mem_get_info=lambda: torch.cuda.mem_get_info(device),
         profile_peak=lambda: cuda_profile_peak(model, budget, max_model_len,
                                                config.max_num_seqs, block_size, device),
+        sampler_bytes=sampler_peak_bytes(rows, model.cfg.vocab_size, model.dtype.itemsize),
+        graph_bytes=graph_bytes,
     )
     logger.info("%s", plan.log_line(rank, str(device)))
     return plan

@@ -121,3 +121,37 @@ def test_gpu_memory_utilization_on_the_device() -> None:
     # What is in use now plus the profile's peak is what utilization allows, within 5% of KV.
     slack = 0.9 * total - (total - free) - plan.peak_activation_bytes
     assert abs(slack) <= 0.05 * plan.kv_bytes, (slack, plan)
+
+
+def test_sampler_peak_and_graph_pool_come_out_of_the_kv_cache() -> None:
+    from workers.runner.memory_profile import GRAPH_OVERHEAD_BYTES, graph_pool_bytes
+    from workers.sample.peak_memory import FLOAT32_COPIES, sampler_peak_bytes
+
+    # 256 rows x 128k vocab, bf16 logits: 5.25 float32 copies + the bf16 logits, ~1.2 GiB
+    rows, vocab = 256, 128 * 1024
+    peak = sampler_peak_bytes(rows, vocab, 2)
+    full = rows * vocab
+    assert int(full * (2 + 4 * FLOAT32_COPIES)) < peak < int(full * (2 + 4 * FLOAT32_COPIES)) \
+        + 64 * MiB
+    assert sampler_peak_bytes(0, vocab, 2) == 0
+    # 35 graphs, the largest 256 tokens, from a 2 GiB profile peak at 8192 tokens
+    graphs = graph_pool_bytes(2 * GiB, 8192, 35, 256)
+    assert graphs == 2 * GiB // 32 + 35 * GRAPH_OVERHEAD_BYTES
+    assert graph_pool_bytes(2 * GiB, 8192, 0, 256) == 0
+    assert graph_pool_bytes(2 * GiB, 8192, 1, 16384) == 2 * GiB + GRAPH_OVERHEAD_BYTES
+
+    cfg = EngineConfig(gpu_memory_utilization=0.9)
+
+    def plan(sampler: int):
+        return plan_kv_cache(cfg, device_type="cuda", bytes_per_block=PER_BLOCK,
+                             weights_bytes=16 * GiB,
+                             mem_get_info=lambda: (63 * GiB, 80 * GiB),
+                             profile_peak=lambda: 3 * GiB, sampler_bytes=sampler,
+                             graph_bytes=lambda p: p // 4)
+    # 72 - 17 - max(3, 1) - 0.75 GiB
+    small = plan(1 * GiB)
+    assert small.kv_bytes == int(51.25 * GiB) and small.graph_bytes == 3 * GiB // 4
+    # the sampler's peak beats the forward's: 72 - 17 - 4 - 0.75
+    big = plan(4 * GiB)
+    assert big.kv_bytes == int(50.25 * GiB) and big.sampler_bytes == 4 * GiB
+    assert "sampler peak 4096.0 MiB" in big.log_line(0, "cuda:0")
