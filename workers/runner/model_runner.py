@@ -20,6 +20,7 @@ from protocol.kv_transfer import KVLoadResult
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from workers.attention.reference import AttentionMetadata
 from workers.parallel.distributed import DistEnv, tp_all_reduce_min
+from workers.runner.graph_buckets import GraphPlan
 from workers.runner.input_batch import BatchInputs, InputBatch
 from workers.runner.input_staging import InputStaging
 from workers.runner.memory_profile import KVCachePlan, plan_for_model
@@ -131,30 +132,37 @@ class ModelRunner:
             self.staging = InputStaging(self.device, budget + spec, self.config.max_num_seqs,
                                         self.input_batch.max_blocks_per_req, self.num_kv_groups)
 
-    def capture_cuda_graphs(self) -> None:
-        """Capture the decode-step graphs (CUDA, a backend that supports graphs, not
-        enforce_eager); call once, after init_kv_cache()."""
+    def graph_plan(self) -> GraphPlan | None:
+        """The CUDA graph buckets this rank captures: None on CPU, with --enforce-eager, or
+        with an attention backend that cannot be captured."""
         assert self.model is not None
         if (self.device.type != "cuda" or self.config.enforce_eager or self.staging is None
                 or not self.model.attn_backend.supports_cuda_graphs):
-            return
-        if self.num_kv_groups > 1:
-            # the graphs are captured with one block table; hybrid models decode eagerly
-            logger.info("%d KV cache groups: decode steps run eagerly (no CUDA graphs)",
-                        self.num_kv_groups)
+            return None
+        return GraphPlan(self.config.max_num_seqs, 1 + self.config.num_speculative_tokens,
+                         self.staging.max_tokens)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the step graphs (decode and mixed buckets); call once, after
+        init_kv_cache()."""
+        plan = self.graph_plan()
+        if plan is None:
             return
         from workers.runner.cuda_graphs import CudaGraphRunner
 
-        self.graphs = CudaGraphRunner(self.model, self.staging, self.config.max_num_seqs,
-                                      1 + self.config.num_speculative_tokens)
+        assert self.model is not None and self.staging is not None
+        self.graphs = CudaGraphRunner(self.model, self.staging, plan, self.block_size,
+                                      self.num_kv_groups)
         self.graphs.capture()
 
     def plan_kv_cache(self) -> KVCachePlan:
         """This rank's KV cache sizing for the loaded model (what init_kv_cache allocates)."""
         if self.model is None:
             raise RuntimeError("load_model() must run before plan_kv_cache()")
+        plan = self.graph_plan()
+        shapes = None if plan is None else (len(plan.buckets()), plan.max_tokens())
         return plan_for_model(self.model, self.config, self.device, self.block_size,
-                              self.max_model_len, self.dist.rank)
+                              self.max_model_len, self.dist.rank, shapes)
 
     def init_kv_cache(self) -> int:
         """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
@@ -241,9 +249,11 @@ class ModelRunner:
                  if structured is not None else None)
         if offload is not None:
             offload.wait_before_forward()  # this step's tier copies land before the forward
+        logits_indices = inputs.logits_indices
         if self.graphs is not None and self.graphs.can_run(inputs):
             t1 = time.perf_counter()
-            hidden = self.graphs.run(inputs)
+            # padded: a decode step's real tokens may move (draft padding)
+            hidden, logits_indices = self.graphs.run(inputs)
         else:
             input_ids, positions, meta = self._to_device(inputs)
             t1 = time.perf_counter()
@@ -254,9 +264,9 @@ class ModelRunner:
         drafts = inputs.drafts  # set only when some request verifies drafts this step
         if len(inputs.sample_rows):
             if self.staging is not None:
-                idx = self.staging.logits_index(inputs.logits_indices)
+                idx = self.staging.logits_index(logits_indices)
             else:
-                idx = torch.from_numpy(inputs.logits_indices)
+                idx = torch.from_numpy(logits_indices)
             md = batch.sampling_metadata(inputs.sample_rows)
             if (masks is None and not md.need_logprobs
                     and bool((md.temperature <= GREEDY_EPS).all())):
