@@ -59,13 +59,24 @@ class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_default
 # frontend -> engine core
 
 
-class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
+class JobInfo(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
+    """The agent program a request is one turn of (the continuum scheduling policy)."""
+
+    job_id: str
+    is_last_step: bool = False  # no next turn follows: nothing to keep for it
+    tool_name: str | None = None  # the tool the client runs after this turn (a TTL hint)
+
+
+# omit_defaults: an array_like struct drops its trailing default fields, so a request
+# without a job costs not a byte more than before the field existed
+class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: bytes  # packed int32
     sampling_params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    job: JobInfo | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=2):
