@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from engine_core.validation import validate_priority, validate_sampling
+from engine_core.validation import validate_job, validate_priority, validate_sampling
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.messages import (
     AbortRequests,
@@ -30,6 +30,7 @@ from protocol.messages import (
     EngineStats,
     HealthReport,
     HealthRequest,
+    JobInfo,
     ProfileRequest,
     RequestOutput,
     SamplingParams,
@@ -96,6 +97,7 @@ class EngineClient:
         index: int = 0,
         priority: int = 0,
         cache_salt: str | None = None,
+        job: JobInfo | None = None,
     ) -> Tracked:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -107,7 +109,7 @@ class EngineClient:
             self.tracked[request_id] = tr
         # the engine core's own checks, first here: a value msgpack cannot carry (an int past
         # 64 bits) would otherwise raise in the encoder instead of failing this request
-        err = validate_sampling(params) or validate_priority(priority)
+        err = validate_sampling(params) or validate_priority(priority) or validate_job(job)
         if err is not None:
             self._finish_locally(tr, err)
             return tr
@@ -124,6 +126,7 @@ class EngineClient:
                 priority=priority,
                 cache_salt=cache_salt,
                 arrival_time=now,
+                job=job,
             )
         )
         return tr

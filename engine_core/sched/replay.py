@@ -263,7 +263,7 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
         elif kind == "abort":
             sched.finish_requests(rec["rids"], finish_reason_status(rec["reason"]))
         elif kind == "schedule":
-            if not sched.has_unfinished_requests():
+            if overrides and not sched.has_unfinished_requests():
                 continue  # a changed scheduler finished early: nothing to plan
             t0 = time.perf_counter()
             so = sched.schedule()

@@ -88,8 +88,9 @@ class Continuum:
         if job.last_finish is not None:
             self.gaps.observe(job_id, job.last_tool, self.now - job.last_finish)
             job.last_finish = None
+        self.expire()  # an idle engine plans no step: a pin past its TTL is over all the same
         pin = self.pins.get(job_id)
-        if pin is not None:  # back: its turn claims the pin once admitted, whatever the TTL
+        if pin is not None:  # back in time: its turn claims the pin once admitted
             pin.expected_return = RETURNED
             pin.expires_at = float("inf")
 
