@@ -40,6 +40,7 @@ from protocol.config import EngineConfig, default_max_batched_tokens
 from protocol.kv_cache_spec import kv_cache_groups
 from protocol.messages import (
     AbortRequests,
+    AddJobRequest,
     AddRequest,
     EngineDead,
     EngineOutputs,
@@ -334,6 +335,7 @@ class EngineCore:
             self.shutdown_requested = True
 
     def _add_request(self, msg: AddRequest) -> None:
+        job = msg.job if isinstance(msg, AddJobRequest) else None
         try:
             prompt = unpack(msg.prompt_token_ids)
         except ProtocolError as e:
@@ -358,7 +360,7 @@ class EngineCore:
         err = (
             validate_sampling(msg.sampling_params)
             or validate_priority(msg.priority)
-            or validate_job(msg.job)
+            or validate_job(job)
             or validate_prompt(prompt, self.vocab_size)
         )
         if err is not None:
@@ -374,7 +376,7 @@ class EngineCore:
                 msg.arrival_time or time.time(),
                 priority=msg.priority,
                 cache_salt=msg.cache_salt,
-                **job_fields(msg.job),
+                **job_fields(job),
             )
         )
 

@@ -23,6 +23,7 @@ from engine_core.validation import validate_job, validate_priority, validate_sam
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.messages import (
     AbortRequests,
+    AddJobRequest,
     AddRequest,
     EngineDead,
     EngineOutputs,
@@ -118,17 +119,9 @@ class EngineClient:
         except (OverflowError, TypeError) as e:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
-        self._send(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=packed,
-                sampling_params=params,
-                priority=priority,
-                cache_salt=cache_salt,
-                arrival_time=now,
-                job=job,
-            )
-        )
+        fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
+                      priority=priority, cache_salt=cache_salt, arrival_time=now)
+        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
         return tr
 
     def abort(self, request_ids: Sequence[str]) -> None:

@@ -67,16 +67,21 @@ class JobInfo(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True)
     tool_name: str | None = None  # the tool the client runs after this turn (a TTL hint)
 
 
-# omit_defaults: an array_like struct drops its trailing default fields, so a request
-# without a job costs not a byte more than before the field existed
-class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True, omit_defaults=True):
+class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     request_id: str
     prompt_token_ids: bytes  # packed int32
     sampling_params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = 0.0
-    job: JobInfo | None = None
+
+
+class AddJobRequest(AddRequest, tag=6, kw_only=True):
+    """An AddRequest that is a turn of an agent job. A message of its own (tag) rather than an
+    optional field: array_like structs encode every field, so a request without a job would
+    otherwise carry a nil for it."""
+
+    job: JobInfo
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=2):
@@ -101,7 +106,9 @@ class ProfileRequest(msgspec.Struct, array_like=True, tag=5):
     torch_profiler: bool = True  # False: only the (cheap) step timeline, e.g. for --breakdown
 
 
-FrontendMessage = AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest
+FrontendMessage = (
+    AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest | AddJobRequest
+)
 
 
 # --------------------------------------------------------------------------------------------
