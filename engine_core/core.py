@@ -27,13 +27,20 @@ from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
 from engine_core.step_timeline import StepTimeline
-from engine_core.validation import validate_priority, validate_prompt, validate_sampling
+from engine_core.validation import (
+    job_fields,
+    validate_job,
+    validate_priority,
+    validate_prompt,
+    validate_sampling,
+)
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
 from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack
 from protocol.config import EngineConfig, default_max_batched_tokens
 from protocol.kv_cache_spec import kv_cache_groups
 from protocol.messages import (
     AbortRequests,
+    AddJobRequest,
     AddRequest,
     EngineDead,
     EngineOutputs,
@@ -328,6 +335,7 @@ class EngineCore:
             self.shutdown_requested = True
 
     def _add_request(self, msg: AddRequest) -> None:
+        job = msg.job if isinstance(msg, AddJobRequest) else None
         try:
             prompt = unpack(msg.prompt_token_ids)
         except ProtocolError as e:
@@ -352,6 +360,7 @@ class EngineCore:
         err = (
             validate_sampling(msg.sampling_params)
             or validate_priority(msg.priority)
+            or validate_job(job)
             or validate_prompt(prompt, self.vocab_size)
         )
         if err is not None:
@@ -367,6 +376,7 @@ class EngineCore:
                 msg.arrival_time or time.time(),
                 priority=msg.priority,
                 cache_salt=msg.cache_salt,
+                **job_fields(job),
             )
         )
 

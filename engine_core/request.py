@@ -80,6 +80,9 @@ class Request:
         "kv_fast_limit",
         "length_limit",
         "ngram_index",
+        "job_id",
+        "is_last_step",
+        "tool_name",
     )
 
     def __init__(
@@ -91,8 +94,15 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         cache_salt: str | None = None,
+        job_id: str | None = None,
+        is_last_step: bool = False,
+        tool_name: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # the agent program this request is a turn of (continuum policy); None: no job
+        self.job_id = job_id
+        self.is_last_step = is_last_step
+        self.tool_name = tool_name
         self.prompt_token_ids = list(prompt_token_ids)
         # packed once here so admission (a hot path) never re-packs the prompt
         self.packed_prompt = pack(self.prompt_token_ids)

@@ -14,8 +14,9 @@ request uses (seed + j) mod 2**64 (see derived_seed).
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from protocol.messages import SamplingParams
+from protocol.messages import JobInfo, SamplingParams
 from protocol.structured import structured_error
 
 INT32_MAX = 2**31 - 1
@@ -87,6 +88,26 @@ def validate_priority(priority: object) -> str | None:
     return None
 
 
+MAX_JOB_FIELD_BYTES = 256
+
+
+def validate_job(job: object) -> str | None:
+    """A job's id and tool hint are short strings (they key the scheduler's job tables)."""
+    if job is None:
+        return None
+    job_id = getattr(job, "job_id", None)
+    if not isinstance(job_id, str) or not job_id:
+        return f"job_id must be a non-empty string, got {job_id!r}"
+    if len(job_id.encode()) > MAX_JOB_FIELD_BYTES:
+        return f"job_id must be at most {MAX_JOB_FIELD_BYTES} bytes"
+    if not isinstance(getattr(job, "is_last_step", False), bool):
+        return "is_last_step must be a boolean"
+    tool = getattr(job, "tool_name", None)
+    if tool is not None and (not isinstance(tool, str) or len(tool.encode()) > MAX_JOB_FIELD_BYTES):
+        return f"tool_name must be a string of at most {MAX_JOB_FIELD_BYTES} bytes"
+    return None
+
+
 def derived_seed(seed: int, j: int) -> int:
     """The seed of choice j of an n > 1 request: distinct per choice, reproducible, and in
     range whatever the base seed (choice 0 keeps the seed as given)."""
@@ -102,3 +123,10 @@ def validate_prompt(prompt: list[int], vocab_size: int) -> str | None:
         bad = lo if lo < 0 else hi
         return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+def job_fields(job: JobInfo | None) -> dict[str, Any]:
+    """Request(...) keyword arguments of a (validated) job; none without one."""
+    if job is None:
+        return {}
+    return {"job_id": job.job_id, "is_last_step": job.is_last_step, "tool_name": job.tool_name}

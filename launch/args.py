@@ -90,7 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--scheduling-policy", default="fcfs",
+                   choices=["fcfs", "priority", "continuum"])
     g.add_argument("--prefix-hash", default=d.prefix_hash, choices=["sha256", "fast"])
     g.add_argument(
         "--async-scheduling",
@@ -128,6 +129,11 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     )
     g.add_argument("--enable-checksum", action="store_true")
     g.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
+    g.add_argument("--continuum-ttl", type=float, default=None, metavar="SECONDS",
+                   help="continuum policy: pin every finished turn for this long instead of "
+                   "the TTL learned from tool-call gaps (an experiment knob)")
+    g.add_argument("--continuum-max-ttl", type=float, default=d.continuum_max_ttl,
+                   metavar="SECONDS", help="continuum policy: cap on any pin's TTL")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from engine_core.validation import validate_priority, validate_sampling
+from engine_core.validation import validate_job, validate_priority, validate_sampling
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.messages import (
     AbortRequests,
+    AddJobRequest,
     AddRequest,
     EngineDead,
     EngineOutputs,
@@ -30,6 +31,7 @@ from protocol.messages import (
     EngineStats,
     HealthReport,
     HealthRequest,
+    JobInfo,
     ProfileRequest,
     RequestOutput,
     SamplingParams,
@@ -96,6 +98,7 @@ class EngineClient:
         index: int = 0,
         priority: int = 0,
         cache_salt: str | None = None,
+        job: JobInfo | None = None,
     ) -> Tracked:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -107,7 +110,7 @@ class EngineClient:
             self.tracked[request_id] = tr
         # the engine core's own checks, first here: a value msgpack cannot carry (an int past
         # 64 bits) would otherwise raise in the encoder instead of failing this request
-        err = validate_sampling(params) or validate_priority(priority)
+        err = validate_sampling(params) or validate_priority(priority) or validate_job(job)
         if err is not None:
             self._finish_locally(tr, err)
             return tr
@@ -116,16 +119,9 @@ class EngineClient:
         except (OverflowError, TypeError) as e:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
-        self._send(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=packed,
-                sampling_params=params,
-                priority=priority,
-                cache_salt=cache_salt,
-                arrival_time=now,
-            )
-        )
+        fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
+                      priority=priority, cache_salt=cache_salt, arrival_time=now)
+        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
         return tr
 
     def abort(self, request_ids: Sequence[str]) -> None:

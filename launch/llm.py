@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
+from launch.jobs import job_infos
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
     ProcessGroup,
@@ -22,7 +23,7 @@ from launch.processes import (
     start_workers as start_local_workers,
 )
 from protocol.config import EngineConfig, config_error
-from protocol.messages import HealthReport, SamplingParams
+from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
 
@@ -204,6 +205,7 @@ class LLM:
         sink: Sink,
         priority: Sequence[int] | None,
         cache_salt: str | None,
+        jobs: Sequence[JobInfo | None] | None = None,
     ) -> list[RequestOutput]:
         client = self._client()
         if sampling_params is None:
@@ -229,6 +231,7 @@ class LLM:
                 index=i,
                 priority=priority[i] if priority else 0,
                 cache_salt=cache_salt,
+                job=jobs[i] if jobs else None,
             )
             results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
         return results
@@ -258,13 +261,20 @@ class LLM:
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        job_id: str | Sequence[str | None] | None = None,
+        is_last_step: bool | Sequence[bool] = False,
+        tool_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order.
+
+        job_id / is_last_step / tool_name (one value, or one per prompt): the agent program
+        each prompt is a turn of, for --scheduling-policy continuum (see README)."""
         results: list[RequestOutput] = []
         bar = None
+        jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
         try:
             for results, _, out in self._events(
-                prompts, sampling_params, priority, cache_salt, timeout_s
+                prompts, sampling_params, priority, cache_salt, timeout_s, jobs
             ):
                 if bar is None and use_tqdm and len(results) > 1:
                     bar = _progress(len(results))
@@ -286,14 +296,18 @@ class LLM:
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        job_id: str | Sequence[str | None] | None = None,
+        is_last_step: bool | Sequence[bool] = False,
+        tool_name: str | Sequence[str | None] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield new tokens (and text deltas) of every prompt as they are generated.
 
         Closing the iterator early aborts the requests still running.
         """
         detoks: list[Any] | None = None
+        jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
         for results, tr, out in self._events(
-            prompts, sampling_params, priority, cache_salt, timeout_s
+            prompts, sampling_params, priority, cache_salt, timeout_s, jobs
         ):
             if detoks is None:
                 detoks = self._detokenizers(results)
@@ -317,6 +331,7 @@ class LLM:
         priority: Sequence[int] | None,
         cache_salt: str | None,
         timeout_s: float | None,
+        jobs: list[JobInfo | None] | None = None,
     ) -> Iterator[tuple[list[RequestOutput], Tracked, WireOutput]]:
         """The one receive loop behind generate() and generate_stream().
 
@@ -324,7 +339,8 @@ class LLM:
         on an error or an early close, aborts whatever is still running.
         """
         sink: Sink = queue.Queue()
-        results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt)
+        results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt,
+                               jobs)
         pending = len(results)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:

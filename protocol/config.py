@@ -35,7 +35,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"  # fcfs | priority
+    scheduling_policy: str = "fcfs"  # fcfs | priority | continuum
     prefix_hash: str = "sha256"  # sha256 (collision safe) | fast (Python hash of tuples)
     # bytes of K+V per rank; None means "the device default": 256 MiB on CPU, and on CUDA what
     # gpu_memory_utilization leaves after the weights and a profile forward
@@ -84,6 +84,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # tokenizer directory or .gguf file. The frontend tokenizes with it and every worker builds
     # its grammar engine's token table from it; None = the model's own tokenizer.
     tokenizer: str | None = None
+    # continuum policy: a fixed pin TTL in seconds (None = learned from observed tool-call
+    # gaps), and the cap on any TTL
+    continuum_ttl: float | None = None
+    continuum_max_ttl: float = 30.0
 
 
 def config_error(config: EngineConfig) -> str | None:
@@ -117,6 +121,8 @@ def config_error(config: EngineConfig) -> str | None:
     if config.speculative_ngram and config.async_scheduling:
         # The proposer needs the newest token, which async scheduling has not seen yet.
         return "async_scheduling and speculative decoding cannot be combined yet"
+    if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
+        return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
     return None
 
 

@@ -62,6 +62,14 @@ class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_default
 # frontend -> engine core
 
 
+class JobInfo(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
+    """The agent program a request is one turn of (the continuum scheduling policy)."""
+
+    job_id: str
+    is_last_step: bool = False  # no next turn follows: nothing to keep for it
+    tool_name: str | None = None  # the tool the client runs after this turn (a TTL hint)
+
+
 class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     request_id: str
     prompt_token_ids: bytes  # packed int32
@@ -69,6 +77,14 @@ class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = 0.0
+
+
+class AddJobRequest(AddRequest, tag=6, kw_only=True):
+    """An AddRequest that is a turn of an agent job. A message of its own (tag) rather than an
+    optional field: array_like structs encode every field, so a request without a job would
+    otherwise carry a nil for it."""
+
+    job: JobInfo
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=2):
@@ -93,7 +109,9 @@ class ProfileRequest(msgspec.Struct, array_like=True, tag=5):
     torch_profiler: bool = True  # False: only the (cheap) step timeline, e.g. for --breakdown
 
 
-FrontendMessage = AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest
+FrontendMessage = (
+    AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest | AddJobRequest
+)
 
 
 # --------------------------------------------------------------------------------------------

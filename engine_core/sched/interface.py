@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from engine_core.kv_cache.manager import KVCacheManager
     from engine_core.kv_offload.scheduling import OffloadScheduling
     from engine_core.request import Request
-    from engine_core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue
+    from engine_core.sched.request_queue import WaitingQueue
     from protocol.config import EngineConfig
 
 
@@ -23,7 +23,7 @@ class SchedulerView(Protocol):
     max_num_batched_tokens: int
     eos_token_id: int | None
     running: list[Request]
-    waiting: FCFSRequestQueue | PriorityRequestQueue
+    waiting: WaitingQueue
     # the requests the workers know, by their wire handle
     by_handle: dict[int, Request]
     kv_cache_manager: KVCacheManager

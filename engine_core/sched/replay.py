@@ -178,7 +178,23 @@ class ReplayResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def build_scheduler(header: dict[str, Any], overrides: dict[str, Any] | None = None) -> Scheduler:
+class ReplayClock:
+    """The scheduler clock of a replay: the reading the trace recorded for each call."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def set(self, rec: dict[str, Any], key: str = "clock") -> None:
+        value = rec.get(key)
+        if value is not None:
+            self.now = value
+
+
+def build_scheduler(header: dict[str, Any], overrides: dict[str, Any] | None = None,
+                    clock: ReplayClock | None = None) -> Scheduler:
     cfg = dict(header["config"])
     cfg.update(overrides or {})
     cfg["scheduler_trace"] = None  # the replay records into memory, not over the trace
@@ -201,6 +217,7 @@ def build_scheduler(header: dict[str, Any], overrides: dict[str, Any] | None = N
         header["eos_token_id"],
         kv_cache_groups=groups or None,
         offload=offload,
+        clock=clock or ReplayClock(),
     )
 
 
@@ -216,16 +233,20 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
     """Make the trace's calls again; with ``overrides`` (EngineConfig fields) the scheduler
     differs, so steps after the recorded ones may be needed: the replay then keeps stepping
     until every request is done."""
-    sched = build_scheduler(trace.header, overrides)
+    clock = ReplayClock()
+    sched = build_scheduler(trace.header, overrides, clock)
     sink = io.BytesIO()
     sched.trace = SchedulerTrace(sink, trace_header(sched))
+    sched.connect_trace()
     worker = ReplayWorker(trace.outputs)
     in_flight: dict[int, tuple[SchedulerOutput, ModelRunnerOutput]] = {}
     step_map: dict[int, int] = {}  # recorded step id -> replayed step id
     step_us: list[float] = []
     sp_type = SamplingParams
     for kind, rec in trace.actions:
+        clock.set(rec, "done_clock" if kind == "update" else "clock")
         if kind == "arrival":
+            job = rec.get("job")
             sched.add_request(
                 Request(
                     rec["rid"],
@@ -235,12 +256,14 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
                     rec["arrival_time"],
                     priority=rec["priority"],
                     cache_salt=rec["cache_salt"],
+                    **(dict(zip(("job_id", "is_last_step", "tool_name"), job, strict=True))
+                       if job else {}),
                 )
             )
         elif kind == "abort":
             sched.finish_requests(rec["rids"], finish_reason_status(rec["reason"]))
         elif kind == "schedule":
-            if not sched.has_unfinished_requests():
+            if overrides and not sched.has_unfinished_requests():
                 continue  # a changed scheduler finished early: nothing to plan
             t0 = time.perf_counter()
             so = sched.schedule()

@@ -1,14 +1,16 @@
-"""Waiting queues: FCFS (a deque) and PRIORITY (a heap).
+"""Waiting queues: FCFS (a deque), PRIORITY and CONTINUUM (heaps).
 
 Preempted requests go back to the *front* of the FCFS queue (they were admitted first); the
-priority heap orders by (priority, arrival_time, request_id), lower values first.
+priority heap orders by (priority, arrival_time, request_id), lower values first; the
+continuum heap by (the job's first arrival, arrival_time, request_id): program-level FCFS,
+so a job's later turn goes before jobs that started after it.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from engine_core.request import Request
@@ -92,9 +94,58 @@ class PriorityRequestQueue:
         return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
 
 
-def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+class ContinuumRequestQueue:
+    """A heap of (program_key(request), arrival_time, request_id, request): the key is the
+    request's job's first arrival (its own arrival without a job), fixed when it is added."""
+
+    def __init__(self, program_key: Callable[[Request], float]) -> None:
+        self._heap: list[tuple[float, float, str, Request]] = []
+        self.program_key = program_key
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(
+            self._heap,
+            (self.program_key(request), request.arrival_time, request.request_id, request),
+        )
+
+    # a preempted request goes back by its own key: its job still started when it did
+    prepend_request = add_request
+
+    def peek_request(self) -> Request:
+        return self._heap[0][3]
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [e for e in self._heap if id(e[3]) not in gone]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In program order (sorts a copy: for inspection, not for hot paths)."""
+        return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
+
+
+WaitingQueue = FCFSRequestQueue | PriorityRequestQueue | ContinuumRequestQueue
+
+
+def create_request_queue(
+    policy: str, program_key: Callable[[Request], float] | None = None
+) -> WaitingQueue:
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":
         return PriorityRequestQueue()
-    raise ValueError(f"unknown scheduling_policy {policy!r} (expected 'fcfs' or 'priority')")
+    if policy == "continuum":
+        assert program_key is not None, "the continuum queue orders by the job's first arrival"
+        return ContinuumRequestQueue(program_key)
+    raise ValueError(
+        f"unknown scheduling_policy {policy!r} (expected 'fcfs', 'priority' or 'continuum')"
+    )

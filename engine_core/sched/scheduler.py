@@ -14,13 +14,16 @@ what the running requests still need for theirs, so admitted requests never pree
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_offload import KVOffloadManager
 from engine_core.kv_offload.scheduling import OffloadScheduling
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.sched import update
+from engine_core.sched.continuum.policy import Continuum
 from engine_core.sched.invariants import check_block_pool, check_scheduler_queues
 from engine_core.sched.request_queue import create_request_queue
 from engine_core.sched.step_diff import StepDiff
@@ -60,6 +63,7 @@ class Scheduler:
         eos_token_id: int | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
         offload: KVOffloadManager | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -89,7 +93,13 @@ class Scheduler:
         self.kv_offload: OffloadScheduling | None = None
         if offload is not None:
             self.kv_offload = OffloadScheduling(offload, self.kv_cache_manager)
-        self.waiting = create_request_queue(self.policy)
+        # the continuum policy's pins and job table (continuum/policy.py); None otherwise
+        self.continuum: Continuum | None = None
+        if self.policy == "continuum":
+            self.continuum = Continuum(config, self.kv_cache_manager, clock, offload is not None)
+        self.waiting = create_request_queue(
+            self.policy, self.continuum.program_key if self.continuum is not None else None
+        )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request by id
         self.by_handle: dict[int, Request] = {}  # requests the workers know
@@ -118,12 +128,21 @@ class Scheduler:
         self.trace: SchedulerTrace | None = None
         if config.scheduler_trace:
             self.trace = SchedulerTrace(config.scheduler_trace, trace_header(self))
+            self.connect_trace()
+
+    def connect_trace(self) -> None:
+        """Let the trace record pin events and the clock readings a replay needs."""
+        if self.trace is not None and self.continuum is not None:
+            self.continuum.events = []
+            self.trace.continuum = self.continuum
 
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if self.continuum is not None:
+            self.continuum.tick()
         if request.eos_token_id is None and self.eos_token_id is not None:
             request.set_eos_token_id(self.eos_token_id)
         reason = self._refusal_reason(request)
@@ -144,6 +163,8 @@ class Scheduler:
         request.length_limit = min(request.length_limit, self.max_model_len)
         self.kv_cache_manager.attach_hasher(request)
         self.requests[request.request_id] = request
+        if self.continuum is not None:
+            self.continuum.on_arrival(request)
         self.waiting.add_request(request)
         if self.trace is not None:
             self.trace.on_arrival(request, refused=False)
@@ -170,6 +191,8 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         assert RequestStatus.is_finished(finished_status), finished_status
+        if self.continuum is not None:
+            self.continuum.tick()
         if self.trace is not None:
             request_ids = list(request_ids)
             self.trace.on_abort(request_ids, FINISH_REASONS[finished_status])
@@ -206,6 +229,8 @@ class Scheduler:
         req.status = status
         if self.trace is not None:
             self.trace.on_finish(req, FINISH_REASONS[status])
+        if self.continuum is not None:  # may pin the blocks before they are freed
+            self.continuum.on_finish(req, status)
         self.kv_cache_manager.free(req)
         if self.kv_offload is not None:
             self.kv_offload.forget(req.request_id)
@@ -226,6 +251,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         diff = StepDiff()
         budget = self.max_num_batched_tokens
+        if self.continuum is not None:  # before any allocation: expired pins go back
+            self.continuum.tick()
+            self.continuum.expire()
         budget = self._schedule_running(diff, budget)
         if not diff.preempted:
             self._schedule_waiting(diff, budget)
@@ -284,6 +312,9 @@ class Scheduler:
             # drafts are part of n, so their (lookahead) slots are allocated like any token's
             new_blocks = _NO_BLOCKS if computed + n <= req.kv_fast_limit else allocate(req, n)
             while new_blocks is None:
+                if self.continuum is not None and self.continuum.relieve(None, strict=False):
+                    new_blocks = allocate(req, n)  # a pin went back before anyone is preempted
+                    continue
                 victim = self._pick_victim()
                 vi = running.index(victim)
                 given = 0
@@ -331,6 +362,8 @@ class Scheduler:
         if self.policy == "priority":
             # worst = largest (priority, arrival_time); the later-admitted one on ties
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        if self.continuum is not None:
+            return max(reversed(self.running), key=self.continuum.victim_key)
         return self.running[-1]
 
     def _preempt(self, victim: Request, index: int, diff: StepDiff, given_back: int = 0) -> None:
@@ -392,13 +425,25 @@ class Scheduler:
                 # would not make more room
                 reserved = self._full_blocks - kvm.num_held_blocks
                 need = kvm.num_blocks_to_hold(req, _full_len(req), hits)
+                cont = self.continuum
+                while running and need + reserved > kvm.num_free_blocks:
+                    if cont is None or not cont.relieve(req, strict=True):
+                        break
                 if running and need + reserved > kvm.num_free_blocks:
                     break
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - num_hit)
-            if kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore) is None:
+            fits = kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore)
+            cont = self.continuum
+            # pins of later jobs go back first; with nothing running, any pin (waiting for
+            # them to expire would leave the engine idle)
+            while fits is None and cont is not None and cont.relieve(req, strict=bool(running)):
+                fits = kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore)
+            if fits is None:
                 break
+            if cont is not None:
+                cont.on_admitted(req, num_hit)
             if restore:
                 self.kv_offload.on_admitted(restore)  # type: ignore[union-attr]
             if gate:
@@ -442,6 +487,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Append the step's sampled tokens, check stops, free finished requests."""
+        if self.continuum is not None:
+            self.continuum.tick()
         return update.update_from_output(self, scheduler_output, model_output)
 
     # ------------------------------------------------------------------ introspection
@@ -466,17 +513,22 @@ class Scheduler:
             "spec_mean_accepted_len": 1.0
             + self.num_accepted_tokens / max(1, self.num_spec_verifications),
             **(self.kv_offload.stats() if self.kv_offload is not None else {}),
+            **(self.continuum.stats() if self.continuum is not None else {}),
         }
 
     def close(self) -> None:
-        """Finish the trace file (steps still in flight are written without a wall time)."""
+        """Finish the trace file (steps still in flight are written without a wall time);
+        pins give their blocks back."""
+        if self.continuum is not None:
+            self.continuum.release_all()
         if self.trace is not None:
             self.trace.close()
             self.trace = None
 
     def check_invariants(self) -> None:
         kvm = self.kv_cache_manager
-        check_block_pool(kvm.block_pool, kvm.held_tables())
+        pins = self.continuum.tables() if self.continuum is not None else ()
+        check_block_pool(kvm.block_pool, chain(kvm.held_tables(), pins))
         if self.kv_offload is not None:
             self.kv_offload.offload.check_invariants()
         check_scheduler_queues(

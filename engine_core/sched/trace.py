@@ -20,6 +20,12 @@ decisions) and, when the workers reported disk reads with the step's output, the
 ("kv_load": [done host slots, failed host slots]): read times are the disk's, so a replay
 takes them from the trace to reach the same decisions.
 
+With the continuum policy, arrival, abort and step records carry the scheduler clock's
+reading ("clock"; a step's update: "done_clock"), so a replay feeds its pins the same time, and
+each step record lists the pin events since the previous step ("pins": [event, job id, blocks
+held, detail]: pin (detail: TTL s), claim (tokens saved), expire, pressure (released to make
+room), replaced, end, abort, shutdown).
+
 The scheduler calls in only behind ``if self.trace is not None``: off, the trace costs one
 attribute test per call.
 """
@@ -34,6 +40,7 @@ import msgspec
 from engine_core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from engine_core.sched.continuum.policy import Continuum
     from engine_core.sched.interface import SchedulerView
     from engine_core.sched.step_diff import StepDiff
 
@@ -54,6 +61,7 @@ DECISION_KEYS = (
     "prefix_queries",
     "prefix_hits",
     "kv_offload",
+    "pins",
 )
 # the KV offload counters a step record carries (per step, except the occupancy)
 _OFFLOAD_DELTAS = ("host_hits", "disk_hits", "offloaded", "spilled", "dropped", "declined",
@@ -119,9 +127,13 @@ class SchedulerTrace:
         self._freed: list[int] = []  # blocks freed by windows per group at the last step
         self._offload_last: dict[str, int] = {}  # KV offload counters at the last step
         self._last_flush = time.monotonic()
+        # the continuum policy (set by the scheduler): its clock readings and pin events
+        self.continuum: Continuum | None = None
         self._write(header)
 
     def _write(self, rec: dict[str, Any]) -> None:
+        if self.continuum is not None and rec["type"] in ("arrival", "abort"):
+            rec["clock"] = self.continuum.now
         buf = self._buf
         self._enc.encode_into(rec, buf)
         buf.extend(b"\n")
@@ -150,6 +162,7 @@ class SchedulerTrace:
                 "eos_token_id": req.eos_token_id,
                 "priority": req.priority,
                 "cache_salt": req.cache_salt,
+                **_job_fields(req),
             }
         )
         if refused:
@@ -258,6 +271,10 @@ class SchedulerTrace:
         }
         if sched.kv_offload is not None:
             self._pending[step_id]["kv_offload"] = self._offload_record(sched)
+        cont = self.continuum
+        if cont is not None and cont.events is not None:
+            self._pending[step_id]["clock"] = cont.now
+            self._pending[step_id]["pins"], cont.events = cont.events, []
 
     def _offload_record(self, sched: SchedulerView) -> dict[str, int]:
         """This step's tier hits and copies (blocks), and the tiers' occupancy after it."""
@@ -287,6 +304,8 @@ class SchedulerTrace:
         rec = self._pending.pop(step_id, None)
         if rec is not None:
             rec["done_seq"] = self._next_seq()
+            if self.continuum is not None:
+                rec["done_clock"] = self.continuum.now
             if kv_load is not None:
                 rec["kv_load"] = kv_load
             self._write(rec)
@@ -302,6 +321,13 @@ class SchedulerTrace:
         self._f.flush()
         if self._own:
             self._f.close()
+
+
+def _job_fields(req: Request) -> dict[str, Any]:
+    """An arrival's job (only when it has one: no bytes otherwise)."""
+    if req.job_id is None:
+        return {}
+    return {"job": [req.job_id, req.is_last_step, req.tool_name]}
 
 
 def finish_reason_status(reason: str) -> RequestStatus:

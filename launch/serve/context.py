@@ -13,6 +13,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from launch.jobs import job_infos
 from launch.serve.body import DEFAULT_MAX_REQUEST_BYTES
 from launch.serve.engine import AsyncEngine
 from launch.serve.errors import APIError, bad_request
@@ -130,6 +131,7 @@ class ServerContext:
             req.include_stop_str_in_output,
             req.skip_special_tokens,
             req.priority,
+            job_infos(1, req.job_id, req.is_last_step, req.tool_name),
         )
         gen.validate()
         return gen

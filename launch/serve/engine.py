@@ -16,7 +16,7 @@ from typing import Any
 
 from launch.client import Delivery, EngineClient, EngineDeadError
 from launch.llm import LLM
-from protocol.messages import HealthReport, SamplingParams
+from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 
 # What a request's queue receives: (choice index, output, engine timestamp).
@@ -73,6 +73,7 @@ class AsyncEngine:
         queue: asyncio.Queue[Event],
         index: int,
         priority: int = 0,
+        job: JobInfo | None = None,
     ) -> float:
         """Send one request; its outputs go to `queue` tagged with `index`. Returns the
         arrival time (time.time()). Raises EngineDeadError, or ValueError for an id in flight."""
@@ -88,6 +89,7 @@ class AsyncEngine:
                 self._sink,  # type: ignore[arg-type]  # duck-typed: only put() is called
                 index=index,
                 priority=priority,
+                job=job,
             )
         except BaseException:
             self._routes.pop(request_id, None)

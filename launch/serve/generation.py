@@ -16,6 +16,7 @@ from typing import Any
 from engine_core.validation import (
     derived_seed,
     sampling_error,
+    validate_job,
     validate_priority,
     validate_prompt,
 )
@@ -26,7 +27,7 @@ from launch.serve.errors import APIError, bad_request
 from launch.serve.metrics import ServerMetrics
 from launch.serve.stop import StopChecker
 from protocol.codec import pack
-from protocol.messages import SamplingParams
+from protocol.messages import JobInfo, SamplingParams
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
 # death is announced right after (EngineDead, or the process watcher). Wait this long for it
@@ -79,8 +80,10 @@ class Generation:
         include_stop_str: bool,
         skip_special_tokens: bool,
         priority: int = 0,
+        jobs: list[JobInfo | None] | None = None,
     ) -> None:
         self.engine = engine
+        self.job = jobs[0] if jobs else None  # every choice is a turn of the same job
         self.metrics = metrics
         self.base_id = base_id
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -109,6 +112,9 @@ class Generation:
         reason = validate_priority(self.priority)
         if reason is not None:
             raise bad_request(reason, "priority")
+        reason = validate_job(self.job)
+        if reason is not None:
+            raise bad_request(reason, "job_id")
         seen: set[int] = set()
         for c in self.choices:
             if id(c.prompt_ids) in seen:
@@ -140,7 +146,8 @@ class Generation:
                 params = _with_seed(params, derived_seed(params.seed, c.index % self.n))
             try:
                 c.arrival = self.engine.submit(
-                    c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority
+                    c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority,
+                    self.job,
                 )
                 c.submitted = True
             except EngineDeadError as e:

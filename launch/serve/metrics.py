@@ -23,6 +23,14 @@ _ITL_BUCKETS = (
     0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 )
 
+_CONTINUUM_STATS = {
+    "continuum_pinned_blocks": "KV blocks held by pins of finished agent turns",
+    "continuum_pin_hits": "Pins claimed by the job's next turn (total)",
+    "continuum_pin_expiries": "Pins released when their TTL ran out (total)",
+    "continuum_pressure_releases": "Pins released to make room (total)",
+    "continuum_tokens_saved": "Prompt tokens a claimed pin spared a prefill (total)",
+}
+
 
 class ServerMetrics:
     """Every metric of one server, in its own registry (several apps can share a process)."""
@@ -55,6 +63,11 @@ class ServerMetrics:
         self.client_aborts = Counter("tandem:request_aborted_by_client",
                                      "Engine requests aborted because the HTTP client left",
                                      labels, registry=r)
+        # the continuum policy's pins (engine totals from the health report; absent otherwise)
+        self.continuum = {
+            key: Gauge(f"tandem:{key}", doc, labels, registry=r)
+            for key, doc in _CONTINUUM_STATS.items()
+        }
         self._labels = {"model_name": model_name}
         self._ttft = self.ttft.labels(**self._labels)
         self._itl = self.itl.labels(**self._labels)
@@ -91,5 +104,8 @@ class ServerMetrics:
             self.running.labels(**self._labels).set(report.num_running)
             self.waiting.labels(**self._labels).set(report.num_waiting)
             self.kv_usage.labels(**self._labels).set(report.kv_usage)
+            for key, gauge in self.continuum.items():
+                if key in report.stats:
+                    gauge.labels(**self._labels).set(report.stats[key])
         self.in_flight.labels(**self._labels).set(in_flight)
         return generate_latest(self.registry)

@@ -44,6 +44,11 @@ class SamplingFields(_Open):
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids next to the text of each choice
     logit_bias: dict[str, float] | None = None  # typed so it is checked, not ignored
+    # the agent job this request is a turn of (--scheduling-policy continuum); strict, so a
+    # number is refused rather than turned into a string
+    job_id: str | None = Field(default=None, strict=True)
+    is_last_step: bool = Field(default=False, strict=True)
+    tool_name: str | None = Field(default=None, strict=True)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
