@@ -31,6 +31,13 @@ SAMPLES: list[msgspec.Struct] = [
         cache_salt="salt",
         arrival_time=12.5,
     ),
+    m.AddJobRequest(
+        request_id="req-job-1",
+        prompt_token_ids=pack([7, 8]),
+        sampling_params=SP,
+        priority=2,
+        job=m.JobInfo(job_id="agent-7", is_last_step=True, tool_name="grep"),
+    ),
     m.AbortRequests(request_ids=["a", "b"]),
     m.HealthRequest(nonce=99),
     m.ShutdownEngine(),
