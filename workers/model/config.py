@@ -215,7 +215,51 @@ DUMMY_PRESETS |= {
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     ),
 }
-REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b", "smollm2-135m"})
+_QWEN3 = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              rope_scaling=None, max_position_embeddings=40960, bos_token_id=151643,
+              eos_token_id=151645, model_type="qwen3", qk_norm=True,
+              torch_dtype="bfloat16")
+DUMMY_PRESETS |= {
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": ModelConfig(**_QWEN3, hidden_size=1024, intermediate_size=3072,
+                              num_hidden_layers=28, num_attention_heads=16,
+                              num_key_value_heads=8, tie_word_embeddings=True),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": ModelConfig(**_QWEN3, hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                            tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token, every layer sparse
+    "qwen3-30b-a3b": ModelConfig(**(_QWEN3 | {"model_type": "qwen3_moe"}), hidden_size=2048,
+                                 intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4,
+                                 tie_word_embeddings=False, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True),
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=32768,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, model_type="mixtral",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+        torch_dtype="bfloat16"),
+}
+REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b", "smollm2-135m",
+                                "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b"})
+
+# Small random MoE for CPU runs, and a dense model of the same active size (its MLP is the
+# 4 routed experts' width), so the two can be compared step for step. Drawn like dummy:tiny.
+_SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
+                    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=2048,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, qk_norm=True,
+                    torch_dtype="float32")
+DUMMY_PRESETS |= {
+    "qwen3-moe-tiny": ModelConfig(**_SMALL_QWEN3, intermediate_size=512,
+                                  model_type="qwen3_moe", num_experts=32, num_experts_per_tok=4,
+                                  moe_intermediate_size=128, norm_topk_prob=True),
+    "qwen3-tiny": ModelConfig(**_SMALL_QWEN3, intermediate_size=512, model_type="qwen3"),
+}
 REAL_SHAPE_INIT_STD = 0.02
 
 
@@ -224,7 +268,9 @@ def dummy_config(name: str) -> ModelConfig:
     preset = name.split(":", 1)[1] if ":" in name else name
     if preset not in DUMMY_PRESETS:
         raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
-    return replace(DUMMY_PRESETS[preset], rope_scaling=_copy(DUMMY_PRESETS[preset].rope_scaling))
+    base = DUMMY_PRESETS[preset]
+    return replace(base, rope_scaling=_copy(base.rope_scaling),
+                   mlp_only_layers=list(base.mlp_only_layers))
 
 
 def _copy(d: dict | None) -> dict | None:
