@@ -179,3 +179,31 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _launch(act, w2, pair_out, weights, sorted_ids, block_experts, num_padded, h, 1, False, True,
             cfg)
     return pair_out.view(t, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# Ahead-of-time compile check (a GPU-less machine can compile for sm_80/sm_90): the argument
+# types of _grouped_gemm_kernel and every constexpr combination fused_experts launches.
+_SIGNATURE = {"a_ptr": "*{dt}", "b_ptr": "*{dt}", "c_ptr": "*{dt}", "weight_ptr": "*fp32",
+              "sorted_ptr": "*i64", "block_expert_ptr": "*i64", "num_padded_ptr": "*i64",
+              "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i32",
+              "stride_be": "i32", "stride_bn": "i32", "stride_bk": "i32", "stride_cm": "i32"}
+
+
+def compile_variants(dtypes: tuple[str, ...] = ("bf16", "fp16", "fp32"), top_k: int = 8
+                     ) -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+    """(kernel, signature, constexprs, options) for triton.compile(ASTSource(kernel, signature,
+    constexprs), target=GPUTarget("cuda", 90, 32), options=options): both GEMMs (gate+up with
+    SiLU-mul, down with router weights) x every CONFIGS entry x dtype."""
+    out = []
+    for dt in dtypes:
+        for cfg in CONFIGS.values():
+            for gated in (True, False):
+                const: dict[str, object] = dict(
+                    A_ROWS_PER_PAIR_DIV=top_k if gated else 1, GATED=gated,
+                    MUL_WEIGHT=not gated, IEEE=dt == "fp32", UPCAST=False,
+                    BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+                sig = {k: v.format(dt=dt) for k, v in _SIGNATURE.items()}
+                sig |= {k: "constexpr" for k in const}
+                out.append((_grouped_gemm_kernel, sig, const,
+                            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    return out

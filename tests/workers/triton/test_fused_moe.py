@@ -103,3 +103,31 @@ def test_captured_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_compile_variants_cover_both_gemms_and_every_config() -> None:
+    from workers.triton_ops.fused_moe import compile_variants
+
+    variants = compile_variants(("bf16",))
+    assert len(variants) == 2 * len(CONFIGS)
+    assert {(c["GATED"], c["MUL_WEIGHT"]) for _, _, c, _ in variants} == {(True, False),
+                                                                         (False, True)}
+
+
+def test_gated_gemm_compiles_for_sm90_ahead_of_time() -> None:
+    """No GPU needed: Triton lowers to a cubin for the target (ptxas ships with triton)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from workers.triton_ops.fused_moe import compile_variants
+
+    fn, sig, const, opts = compile_variants(("bf16",))[0]
+    if not isinstance(fn, triton.runtime.jit.JITFunction):  # wrapped by the interpreter
+        fn = triton.runtime.jit.JITFunction(fn.fn)
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                target=GPUTarget("cuda", 90, 32), options=opts)
+    except (RuntimeError, FileNotFoundError) as e:  # a triton build without the CUDA backend
+        pytest.skip(f"no CUDA compiler backend: {e}")
+    assert len(kernel.asm["cubin"]) > 0
