@@ -40,10 +40,14 @@ class MoEConfig:
 
 
 # decode batches route a few pairs to each expert: short M tiles waste less padding; prefill
-# tiles are larger for reuse of each expert's weight tile across tokens
+# tiles are taller for reuse of each expert's weight tile across tokens. Sized so that neither
+# GEMM spills registers on sm_80 or sm_90, also when compiled at the default 4 warps (taller or
+# wider tiles spilled: the gated GEMM holds two accumulators and two weight tiles); the
+# gathered A rows defeat software pipelining, so num_stages changes nothing here. Not yet tuned
+# on a GPU.
 CONFIGS: dict[str, MoEConfig] = {
-    "small": MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    "large": MoEConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "small": MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+    "large": MoEConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
 }
 # pairs per expert (on average) from which the large tiles pay off
 _LARGE_FROM_PAIRS_PER_EXPERT = 32
@@ -109,14 +113,19 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, block_expe
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    # Row bases and 32-bit tile offsets, not 64-bit pointer tiles: a [BLOCK_K, BLOCK_N] tile of
+    # pointers (two of them when GATED) costs registers the accumulators need (it spilled).
+    a_rows_ptr = a_ptr + a_rows[:, None] * stride_am
+    b_base = b_ptr + expert * stride_be
+    b_off = offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k + k0 < K
-        a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = tl.load(a_rows_ptr + (k0 + offs_k)[None, :], mask=real[:, None] & k_ok[None, :],
+                    other=0.0)
+        b_k = b_base + k0 * stride_bk
+        b = tl.load(b_k + b_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -125,15 +134,14 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, block_expe
         else:
             acc = tl.dot(a, b, acc)
         if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b_up = tl.load(b_k + N * stride_bn + b_off, mask=k_ok[:, None] & n_ok[None, :],
+                           other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if IEEE:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
     out = acc.to(dt).to(tl.float32)
     if GATED:
         act = (out / (1.0 + tl.exp(-out))).to(dt).to(tl.float32)
