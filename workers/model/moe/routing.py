@@ -42,24 +42,32 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2 * I, H] (gate rows, then up rows); w2 [E, H, I] -> [T, H].
 
-    Pairs (token, slot) are grouped by expert with one stable sort and each expert with tokens
-    runs two GEMMs; the per-expert loop needs the counts on the host, which is fine on CPU (the
-    CUDA path is the fused kernel, which needs neither)."""
+    Pairs (token, slot) are sorted by expert with one stable sort; each expert with tokens
+    then runs one GEMM into its rows of a shared buffer (gate|up), SiLU-and-mul runs once over
+    all rows, and a second loop runs the down GEMMs; the weights, the unsort and the top-k sum
+    are one op each. The loop needs the counts on the host, which is fine on CPU (the CUDA path
+    is the fused kernel, which needs neither)."""
     t, k = topk_ids.shape
-    out = torch.zeros(t * k, w2.shape[1], dtype=x.dtype, device=x.device)
+    e_count, h, inter = w2.shape
     if t == 0:
-        return out.view(t, w2.shape[1])
+        return torch.zeros(0, h, dtype=x.dtype, device=x.device)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=e_count).tolist()
     rows = x[order // k]
+    gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
+    spans = []
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        part = order[start : start + n]
-        h = silu_mul(F.linear(rows[start : start + n], w13[e]))
-        y = F.linear(h, w2[e])
-        out[part] = (y.float() * topk_weights.reshape(-1)[part, None]).to(x.dtype)
+        if n:
+            spans.append((e, start, start + n))
+            torch.mm(rows[start : start + n], w13[e].t(), out=gate_up[start : start + n])
         start += n
+    act = silu_mul(gate_up)
+    down = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
+    for e, s, end in spans:
+        torch.mm(act[s:end], w2[e].t(), out=down[s:end])
+    weighted = (down.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
+    out = torch.empty_like(weighted)
+    out[order] = weighted
     return reduce_topk(out, t, k)
