@@ -119,3 +119,34 @@ def test_tp2_matches_hf(tmp_path, checkpoints, family: str) -> None:
         assert (got0 - hf_logits(path, prompt)).abs().max().item() < 1e-4
     assert ranks[0]["generated"] == ranks[1]["generated"]
     assert ranks[0]["generated"][0] == hf_greedy(path, PROMPTS[0], 8)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_ties_fall_as_in_transformers(family: str) -> None:
+    """Experts with identical router rows tie exactly: both routers must keep the same ones."""
+    import transformers
+
+    from workers.model.moe.routing import select_experts
+
+    if family == "mixtral":
+        hf_cfg = transformers.MixtralConfig(hidden_size=16, num_local_experts=8,
+                                            num_experts_per_tok=2)
+        router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(hf_cfg)
+        renorm = True
+    else:
+        hf_cfg = transformers.Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2,
+                                             norm_topk_prob=False)
+        router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(hf_cfg)
+        renorm = False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 16, generator=gen)
+    weight[5] = weight[2]  # experts 2 and 5 tie for every token
+    weight[7] = weight[2]
+    with torch.no_grad():
+        router.weight.copy_(weight)
+        x = torch.randn(64, 16, generator=gen)
+        _, hf_w, hf_ids = router(x)
+    ours_w, ours_ids = select_experts(torch.nn.functional.linear(x, weight), 2, renorm)
+    assert torch.equal(ours_ids, hf_ids)
+    assert torch.allclose(ours_w, hf_w.float())
+    assert bool(((hf_ids == 2) | (hf_ids == 5)).any())  # the tie was in play
