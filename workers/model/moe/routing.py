@@ -38,35 +38,54 @@ def reduce_topk(weighted: torch.Tensor, num_tokens: int, top_k: int) -> torch.Te
     return weighted.view(num_tokens, top_k, h).sum(dim=1, dtype=torch.float32).to(weighted.dtype)
 
 
+# Batched GEMMs over every expert (padded to the busiest expert's rows) while that pads the
+# pairs by at most this factor; past it (many experts, few tokens: a decode step of a 128-expert
+# model) the per-expert loop reads only the routed experts' weights.
+_BATCHED_MAX_PADDING = 4
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2 * I, H] (gate rows, then up rows); w2 [E, H, I] -> [T, H].
 
-    Pairs (token, slot) are sorted by expert with one stable sort; each expert with tokens
-    then runs one GEMM into its rows of a shared buffer (gate|up), SiLU-and-mul runs once over
-    all rows, and a second loop runs the down GEMMs; the weights, the unsort and the top-k sum
-    are one op each. The loop needs the counts on the host, which is fine on CPU (the CUDA path
-    is the fused kernel, which needs neither)."""
+    Pairs (token, slot) are sorted by expert with one stable sort. When the experts are evenly
+    loaded, each GEMM is one batched matmul over all experts (pairs laid out [E, busiest, H],
+    zero rows where an expert has fewer): a few large ops instead of two per expert, which
+    matters on CPU, where every op is a parallel region whose barrier waits for every thread.
+    Otherwise each expert with tokens runs its two GEMMs into its rows of shared buffers.
+    Either way SiLU-and-mul, the router weights, the unsort and the top-k sum are one op each.
+    The counts go to the host, which is fine on CPU (the CUDA path is the fused kernel)."""
     t, k = topk_ids.shape
     e_count, h, inter = w2.shape
+    n = t * k
     if t == 0:
         return torch.zeros(0, h, dtype=x.dtype, device=x.device)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=e_count).tolist()
+    counts_t = torch.bincount(flat, minlength=e_count)
+    counts = counts_t.tolist()
     rows = x[order // k]
-    gate_up = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
-    spans = []
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            spans.append((e, start, start + n))
-            torch.mm(rows[start : start + n], w13[e].t(), out=gate_up[start : start + n])
-        start += n
-    act = silu_mul(gate_up)
-    down = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
-    for e, s, end in spans:
-        torch.mm(act[s:end], w2[e].t(), out=down[s:end])
+    busiest = max(counts)
+    if e_count * busiest <= _BATCHED_MAX_PADDING * n:
+        experts = flat[order]
+        slot = torch.arange(n, device=x.device) - (counts_t.cumsum(0) - counts_t)[experts]
+        grouped = x.new_zeros(e_count, busiest, h)
+        grouped[experts, slot] = rows
+        act = silu_mul(torch.bmm(grouped, w13.transpose(1, 2)))
+        down = torch.bmm(act, w2.transpose(1, 2))[experts, slot]
+    else:
+        gate_up = torch.empty(n, 2 * inter, dtype=x.dtype, device=x.device)
+        spans = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                spans.append((e, start, start + c))
+                torch.mm(rows[start : start + c], w13[e].t(), out=gate_up[start : start + c])
+            start += c
+        act = silu_mul(gate_up)
+        down = torch.empty(n, h, dtype=x.dtype, device=x.device)
+        for e, s, end in spans:
+            torch.mm(act[s:end], w2[e].t(), out=down[s:end])
     weighted = (down.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
     out = torch.empty_like(weighted)
     out[order] = weighted
