@@ -74,25 +74,24 @@ class SparseMoeBlock(nn.Module):
         # change which experts a token gets
         self.gate = nn.Parameter(torch.zeros(e, h, dtype=torch.float32, device=device),
                                  requires_grad=False)
-        self.path = default_moe_path(device)
+        self.set_path(default_moe_path(device))
 
     def set_path(self, path: str) -> None:
-        """torch | triton; chosen once at start-up (Triton on CPU tensors only under
-        TRITON_INTERPRET=1, for tests)."""
+        """torch | triton; chosen once at start-up, not per call (Triton on CPU tensors only
+        under TRITON_INTERPRET=1, for tests)."""
         if path not in MOE_PATHS:
             raise ValueError(f"unknown MoE path {path!r}; expected one of {MOE_PATHS}")
         self.path = path
+        self._experts = fused_experts_torch
+        if path == "triton":
+            from workers.triton_ops.fused_moe import fused_experts
+
+            self._experts = fused_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(F.linear(x.float(), self.gate), self.top_k,
                                       self.renormalize)
-        if self.path == "triton":
-            from workers.triton_ops.fused_moe import fused_experts
-
-            out = fused_experts(x, self.w13, self.w2, weights, ids)
-        else:
-            out = fused_experts_torch(x, self.w13, self.w2, weights, ids)
-        return tp_all_reduce(out)
+        return tp_all_reduce(self._experts(x, self.w13, self.w2, weights, ids))
 
     def load(self, src: WeightSource, prefix: str) -> None:
         gate, up, down = self.expert_names
