@@ -5,7 +5,9 @@ From the model's shape alone:
   the tokens before it (QK^T and PV: 4 * head_dim FLOPs per query head per key), and the last
   token of each prompt goes through the LM head; time >= FLOPs / peak FLOP/s;
 - decode step: reads every weight once (whatever the batch) plus each running request's K/V
-  context; time >= max(bytes / memory bandwidth, FLOPs / peak FLOP/s).
+  context; time >= max(bytes / memory bandwidth, FLOPs / peak FLOP/s). Mixture-of-experts
+  models count a token's FLOPs through its top-k experts only, and a step's bytes through the
+  experts its tokens are expected to route to (uniform routing), not all of them.
 Requests decode in waves of max_num_seqs, the best case a scheduler can reach. Tensor-parallel
 ranks on GPUs split the work over that many devices; CPU ranks share one machine, whose peaks
 are measured as a whole. The floor ignores communication, so it is a lower bound, and
@@ -36,22 +38,46 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
+    # mixture of experts: moe_layers of the num_layers route each token to top_k of num_experts
+    # experts of moe_intermediate; the other layers keep a dense MLP of intermediate
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    moe_layers: int = 0
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
         """From a workers.model.config.ModelConfig (or anything with its field names)."""
+        experts = getattr(cfg, "num_experts", 0)
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) \
+            if experts else 0
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+                   cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+                   experts, getattr(cfg, "num_experts_per_tok", 0),
+                   getattr(cfg, "moe_intermediate_size", 0), moe_layers)
+
+    @property
+    def attn_params(self) -> int:
+        """q, k, v, o weights of one layer."""
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv)
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate
 
     @property
     def layer_linear_params(self) -> int:
-        """q, k, v, o, gate, up, down weights of one layer."""
-        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+        """q, k, v, o, gate, up, down weights of one dense layer."""
+        return self.attn_params + 3 * self.hidden * self.intermediate
 
     @property
     def linear_params(self) -> int:
-        return self.num_layers * self.layer_linear_params
+        """Linear weights one token passes through (for MoE layers: its top_k experts and the
+        router), so 2 * linear_params is a token's FLOPs outside attention."""
+        dense = self.num_layers - self.moe_layers
+        moe = self.attn_params + self.top_k * self.expert_params + self.num_experts * self.hidden
+        return dense * self.layer_linear_params + self.moe_layers * moe
 
     @property
     def lm_head_params(self) -> int:
@@ -61,9 +87,23 @@ class ModelShape:
     def norm_params(self) -> int:
         return (2 * self.num_layers + 1) * self.hidden
 
-    def weight_bytes_per_step(self, dtype_bytes: int) -> int:
-        """Weights every forward reads in full (the embedding table only by row: left out)."""
-        return (self.linear_params + self.lm_head_params + self.norm_params) * dtype_bytes
+    def experts_read(self, num_tokens: int) -> float:
+        """Expected distinct experts a layer reads for num_tokens tokens under uniform random
+        routing: an expert is missed by one token's top_k with probability 1 - top_k / E."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
+    def weight_bytes_per_step(self, dtype_bytes: int, num_tokens: int | None = None) -> int:
+        """Weights a forward of num_tokens tokens reads (the embedding table only by row: left
+        out). Dense weights are read in full; of the experts only those the step routes to
+        (an expected value; None = every expert), so MoE roofline fractions stay honest."""
+        dense_layers = self.num_layers - self.moe_layers
+        always = (dense_layers * self.layer_linear_params
+                  + self.moe_layers * (self.attn_params + self.num_experts * self.hidden)
+                  + self.lm_head_params + self.norm_params)
+        experts = self.num_experts if num_tokens is None else self.experts_read(num_tokens)
+        return int((always + self.moe_layers * experts * self.expert_params) * dtype_bytes)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -103,7 +143,6 @@ def workload_floor(shape: ModelShape, prompt_lens: Sequence[int], output_lens: S
     flops_rate = peak_flops * num_devices
     byte_rate = peak_bytes_per_s * num_devices
     p_flops = sum(prefill_flops(shape, n) for n in prompt_lens)
-    weights = shape.weight_bytes_per_step(dtype_bytes)
     kv_token = shape.kv_bytes_per_token(dtype_bytes)
     step_flops_fixed = 2 * (shape.linear_params + shape.lm_head_params)
     d_flops = d_bytes = 0
@@ -114,7 +153,7 @@ def workload_floor(shape: ModelShape, prompt_lens: Sequence[int], output_lens: S
             live = [p + j for p, o in wave if o > j]
             ctx = sum(live)
             flops = step_flops_fixed * len(live) + shape.attn_flops_per_key * ctx
-            nbytes = weights + kv_token * ctx
+            nbytes = shape.weight_bytes_per_step(dtype_bytes, len(live)) + kv_token * ctx
             d_flops += flops
             d_bytes += nbytes
             decode_s += max(nbytes / byte_rate, flops / flops_rate)

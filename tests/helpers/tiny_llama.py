@@ -6,11 +6,15 @@ import os
 
 import torch
 
+# Small expert counts keep the tests fast; top-2 of 4 with a moe_intermediate_size that TP=2
+# splits evenly (Qwen3-MoE; Mixtral's experts use intermediate_size).
+MOE_BASE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
 
 def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama",
                        max_shard_size: str | None = None, **overrides) -> str:
-    """Save a random transformers Llama (or Qwen2, arch="qwen2", or Mistral, arch="mistral") in
-    `path` and return `path`.
+    """Save a random transformers Llama (or arch = "qwen2", "mistral", "qwen3", "qwen3_moe",
+    "mixtral") in `path` and return `path`.
 
     initializer_range 0.2 (not HF's 0.02) so greedy tokens depend on the context.
     """
@@ -28,6 +32,16 @@ def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama",
     elif arch == "mistral":  # every layer windowed when sliding_window is given
         cfg = transformers.MistralConfig(**kwargs)
         model = transformers.MistralForCausalLM(cfg).eval()
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**kwargs)
+        model = transformers.Qwen3ForCausalLM(cfg).eval()
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**(MOE_BASE | kwargs))
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    elif arch == "mixtral":
+        kwargs.setdefault("num_local_experts", MOE_BASE["num_experts"])
+        cfg = transformers.MixtralConfig(**kwargs)
+        model = transformers.MixtralForCausalLM(cfg).eval()
     else:
         cfg = transformers.LlamaConfig(**kwargs)
         model = transformers.LlamaForCausalLM(cfg).eval()
@@ -38,6 +52,9 @@ def make_tiny_hf_llama(path: str, seed: int = 0, arch: str = "llama",
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("gate.weight"):
+                # a wide router (transformers may start it at zero): distinct routes per token
+                p.copy_(torch.randn_like(p))
     os.makedirs(path, exist_ok=True)
     extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **extra)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-# Architectures whose weights follow the Llama layout (Qwen2 only adds a q/k/v bias).
-_LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+from workers.model.registry import model_type_of
 
 
 @dataclass
@@ -33,17 +32,31 @@ class ModelConfig:
     # the dtype the checkpoint stores ("bfloat16", ...), None where it names none (GGUF);
     # `--dtype auto` runs in it on CUDA (protocol/devices.resolve_dtype)
     torch_dtype: str | None = None
+    # the registry key (workers/model/registry.py) that picks the model class
+    model_type: str = "llama"
+    # Qwen3: per-head RMSNorm on q and k (weights of head_dim) before rotary
+    qk_norm: bool = False
+    # mixture of experts (0 experts = a dense model): each token's top-k experts of
+    # moe_intermediate_size; layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is
+    # not in mlp_only_layers (those keep a dense MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     def windows(self) -> list[int]:
         """The sliding window of every layer (0 = full attention)."""
         return list(self.layer_windows) or [0] * self.num_hidden_layers
 
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % max(1, self.decoder_sparse_step) == 0)
+
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        model_type = d.get("model_type", "llama")
-        if model_type not in _LLAMA_LIKE:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; expected one of {sorted(_LLAMA_LIKE)}")
+        model_type = model_type_of(d)
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         qwen2 = model_type == "qwen2"
@@ -76,7 +89,27 @@ class ModelConfig:
             o_proj_bias=attention_bias and not qwen2,
             layer_windows=_layer_windows(d, model_type),
             torch_dtype=_checkpoint_dtype(d),
+            model_type=model_type,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **_moe_fields(d, model_type),
         )
+
+
+def _moe_fields(d: dict, model_type: str) -> dict:
+    """Expert keys as transformers reads them: Qwen3-MoE's num_experts (transformers 5 also
+    writes num_local_experts), Mixtral's num_local_experts; Mixtral always renormalises the
+    top-k weights, Qwen3-MoE only with norm_topk_prob (default off)."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    if model_type == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
+    return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                mlp_only_layers=[int(i) for i in d.get("mlp_only_layers") or []])
 
 
 def _checkpoint_dtype(d: dict) -> str | None:
@@ -92,21 +125,22 @@ def _checkpoint_dtype(d: dict) -> str | None:
 def _layer_windows(d: dict, model_type: str) -> list[int]:
     """Per-layer sliding windows as transformers reads them (0 = full attention):
 
-    - mistral: ``sliding_window`` (null = none) applies to every layer;
-    - qwen2: the window exists only with ``use_sliding_window``; ``layer_types`` names each
-      layer's kind, else layers from ``max_window_layers`` on slide;
+    - mistral, mixtral: ``sliding_window`` (null = none) applies to every layer;
+    - qwen2, qwen3: the window exists only with ``use_sliding_window``; ``layer_types`` names
+      each layer's kind, else layers from ``max_window_layers`` on slide;
+    - qwen3_moe: the window exists only with ``use_sliding_window`` and applies to every layer;
     - any other config with a ``layer_types`` list and a ``sliding_window``: the layers named
       "sliding_attention" slide.
     """
     n = int(d["num_hidden_layers"])
     window = d.get("sliding_window")
-    if model_type == "qwen2" and not d.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not d.get("use_sliding_window", False):
         window = None
     if not window:
         return []
     window = int(window)
     types = d.get("layer_types")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
         windows = [window] * n
     elif types:
         if len(types) != n:
@@ -115,7 +149,7 @@ def _layer_windows(d: dict, model_type: str) -> list[int]:
         if unknown:
             raise ValueError(f"unsupported layer_types {sorted(unknown)}")
         windows = [window if t == "sliding_attention" else 0 for t in types]
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         first = int(d.get("max_window_layers", n))
         windows = [window if i >= first else 0 for i in range(n)]
     else:
@@ -181,7 +215,51 @@ DUMMY_PRESETS |= {
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     ),
 }
-REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b", "smollm2-135m"})
+_QWEN3 = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              rope_scaling=None, max_position_embeddings=40960, bos_token_id=151643,
+              eos_token_id=151645, model_type="qwen3", qk_norm=True,
+              torch_dtype="bfloat16")
+DUMMY_PRESETS |= {
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": ModelConfig(**_QWEN3, hidden_size=1024, intermediate_size=3072,
+                              num_hidden_layers=28, num_attention_heads=16,
+                              num_key_value_heads=8, tie_word_embeddings=True),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": ModelConfig(**_QWEN3, hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                            tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token, every layer sparse
+    "qwen3-30b-a3b": ModelConfig(**(_QWEN3 | {"model_type": "qwen3_moe"}), hidden_size=2048,
+                                 intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4,
+                                 tie_word_embeddings=False, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True),
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=32768,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, model_type="mixtral",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+        torch_dtype="bfloat16"),
+}
+REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b", "smollm2-135m",
+                                "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b"})
+
+# Small random MoE for CPU runs, and a dense model of the same active size (its MLP is the
+# 4 routed experts' width), so the two can be compared step for step. Drawn like dummy:tiny.
+_SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
+                    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=2048,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, qk_norm=True,
+                    torch_dtype="float32")
+DUMMY_PRESETS |= {
+    "qwen3-moe-tiny": ModelConfig(**_SMALL_QWEN3, intermediate_size=512,
+                                  model_type="qwen3_moe", num_experts=32, num_experts_per_tok=4,
+                                  moe_intermediate_size=128, norm_topk_prob=True),
+    "qwen3-tiny": ModelConfig(**_SMALL_QWEN3, intermediate_size=512, model_type="qwen3"),
+}
 REAL_SHAPE_INIT_STD = 0.02
 
 
@@ -190,7 +268,9 @@ def dummy_config(name: str) -> ModelConfig:
     preset = name.split(":", 1)[1] if ":" in name else name
     if preset not in DUMMY_PRESETS:
         raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
-    return replace(DUMMY_PRESETS[preset], rope_scaling=_copy(DUMMY_PRESETS[preset].rope_scaling))
+    base = DUMMY_PRESETS[preset]
+    return replace(base, rope_scaling=_copy(base.rope_scaling),
+                   mlp_only_layers=list(base.mlp_only_layers))
 
 
 def _copy(d: dict | None) -> dict | None:

@@ -116,6 +116,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    hf_name = "mlp"  # its weights' name under model.layers.{i}
+
     def __init__(self, cfg: ModelConfig, lay: TPLayout, tp_rank: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
@@ -139,12 +141,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: TPLayout, rope: RotaryEmbedding, tp_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
+        """self_attn / mlp: a model family's own blocks (same call and load interface), else
+        Llama's."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, lay, rope, tp_rank, dtype, device)
+        self.self_attn = self_attn or LlamaAttention(cfg, lay, rope, tp_rank, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, lay, tp_rank, dtype, device)
+        self.mlp = mlp or LlamaMLP(cfg, lay, tp_rank, dtype, device)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionStep,
                 delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,9 +180,7 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.rope_scaling, device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
                                                    tp_size, dtype, device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, lay, self.rope, tp_rank, dtype, device)
-            for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(tied, cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size,
@@ -192,6 +195,11 @@ class LlamaForCausalLM(nn.Module):
         for g, spec in enumerate(self.kv_cache_groups):
             for j, layer in enumerate(spec.layer_ids):
                 self.layer_group[layer], self.layer_slot[layer] = g, j
+
+    def make_layer(self, i: int) -> LlamaDecoderLayer:
+        """Decoder layer i; model families override this to swap in their attention or MLP."""
+        return LlamaDecoderLayer(self.cfg, self.layout, self.rope, self.tp_rank, self.dtype,
+                                 self.device)
 
     def set_attention_backend(self, name: str) -> None:
         """auto | torch | cpu | triton; chosen once, before the first step."""
@@ -271,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
             layer.post_attention_layernorm.weight.copy_(
                 src.read(f"{prefix}.post_attention_layernorm.weight"))
             layer.self_attn.load(src, f"{prefix}.self_attn")
-            layer.mlp.load(src, f"{prefix}.mlp")
+            layer.mlp.load(src, f"{prefix}.{layer.mlp.hf_name}")
         self.norm.weight.copy_(src.read("model.norm.weight"))
         head = self.lm_head
         if head.weight is not None:

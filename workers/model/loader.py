@@ -26,7 +26,9 @@ from workers.model.config import (
     dummy_preset_name,
 )
 from workers.model.llama import LlamaForCausalLM, WeightSource
+from workers.model.moe.block import MIXTRAL_EXPERT_NAMES, QWEN3_MOE_EXPERT_NAMES, moe_param_shapes
 from workers.model.paths import DUMMY_PREFIX, resolve_model
+from workers.model.registry import model_class
 
 __all__ = ["resolve_model", "load_model", "load_model_config", "DummySource",
            "ShardDummySource", "SafetensorsSource", "hf_param_shapes"]
@@ -41,7 +43,8 @@ def _slice(t, shape: tuple[int, ...], dim: int | None, start: int, end: int | No
 
 
 def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and full shapes of a Llama checkpoint with this config."""
+    """HF names and full shapes of a checkpoint with this config (Llama layout, plus Qwen3's
+    q/k norms and the experts of the MoE families)."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h),
@@ -53,9 +56,17 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {f"{p}.input_layernorm.weight": (h,),
                    f"{p}.post_attention_layernorm.weight": (h,),
                    f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
-                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
-                   f"{p}.mlp.gate_proj.weight": (inter, h), f"{p}.mlp.up_proj.weight": (inter, h),
-                   f"{p}.mlp.down_proj.weight": (h, inter)}
+                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q)}
+        if cfg.qk_norm:
+            shapes |= {f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)}
+        if cfg.model_type == "mixtral":
+            shapes |= moe_param_shapes(cfg, f"{p}.block_sparse_moe", MIXTRAL_EXPERT_NAMES)
+        elif cfg.is_moe_layer(i):
+            shapes |= moe_param_shapes(cfg, f"{p}.mlp", QWEN3_MOE_EXPERT_NAMES)
+        else:
+            shapes |= {f"{p}.mlp.gate_proj.weight": (inter, h),
+                       f"{p}.mlp.up_proj.weight": (inter, h),
+                       f"{p}.mlp.down_proj.weight": (h, inter)}
         if cfg.attention_bias:
             shapes |= {f"{p}.self_attn.q_proj.bias": (q,), f"{p}.self_attn.k_proj.bias": (kv,),
                        f"{p}.self_attn.v_proj.bias": (kv,)}
@@ -122,7 +133,7 @@ class ShardDummySource:
 def _tp_pads(cfg: ModelConfig, tp_size: int) -> bool:
     """Whether this TP size pads heads, MLP rows or vocabulary rows with zeros."""
     return any(n % tp_size for n in (cfg.num_key_value_heads, cfg.intermediate_size,
-                                     cfg.vocab_size))
+                                     cfg.vocab_size, cfg.moe_intermediate_size))
 
 
 def _shard_source(cfg: ModelConfig, seed: int, tp_size: int, dtype: torch.dtype,
@@ -201,7 +212,7 @@ def load_model(name: str, tp_rank: int, tp_size: int, dtype: torch.dtype, device
     else:
         cfg = _read_hf_config(path)
         src = SafetensorsSource(path)
-    model = LlamaForCausalLM(cfg, tp_rank, tp_size, dtype, device)
+    model = model_class(cfg.model_type)(cfg, tp_rank, tp_size, dtype, device)
     model.load_weights(src)
     model.prepack_weights()
     model.eval()
