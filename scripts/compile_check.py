@@ -36,6 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from workers.model.config import DUMMY_PRESETS, REAL_SHAPE_PRESETS  # noqa: E402
 from workers.triton_ops import next_pow2  # noqa: E402
 from workers.triton_ops.attention_config import attention_config  # noqa: E402
+from workers.triton_ops.fused_moe import compile_variants  # noqa: E402
 from workers.triton_ops.kv_cache import _rotary_kv_kernel  # noqa: E402
 from workers.triton_ops.norm_act import _rms_norm_kernel, _silu_and_mul_kernel  # noqa: E402
 from workers.triton_ops.paged_attention import (  # noqa: E402
@@ -57,7 +58,8 @@ class Case:
     signature: dict[str, str]
     constexprs: dict[str, object]
     dtype: str
-    attention_dot: bool = False  # the SASS must hold a tensor-core MMA
+    attention_dot: bool = False  # the SASS must hold a tensor-core MMA, K/V double-buffered
+    gemm_dot: bool = False  # the SASS must hold a tensor-core MMA
     # Example values of integer arguments (strides) at this preset's shapes: those divisible
     # by 16 are compiled as such, as the launcher's JIT specializes them at run time.
     ints: dict[str, int] | None = None
@@ -154,16 +156,34 @@ def _silu(preset: str, dt: str) -> Case:
     return Case("silu_and_mul", preset, _silu_and_mul_kernel, sig, const, dt)
 
 
+def _fused_moe(dt: str, top_k: int) -> list[Case]:
+    """Every (GEMM, tile config) the fused MoE launches; its shapes are runtime arguments, so
+    one set covers every MoE preset of that top-k."""
+    out = []
+    for fn, sig, const, options in compile_variants((_TY[dt],), top_k):
+        name = "moe_gate_up" if const["GATED"] else "moe_down"
+        tiles = f"M{const['BLOCK_M']} N{const['BLOCK_N']} K{const['BLOCK_K']} top{top_k}"
+        out.append(Case(name, tiles, fn, sig, const, dt, gemm_dot=True,
+                        per_arch={a: (const, options) for a in (90, 80)}))
+    return out
+
+
 def cases(quick: bool) -> list[Case]:
     if quick:
         return [_attention("llama-8b", "bfloat16", True), _attention("llama-8b", "bfloat16", False),
                 _merge("llama-8b", "bfloat16"), _rotary("llama-8b", "bfloat16"),
-                _norm("llama-8b", "bfloat16"), _silu("llama-8b", "bfloat16")]
+                _norm("llama-8b", "bfloat16"), _silu("llama-8b", "bfloat16"),
+                _fused_moe("bfloat16", 8)[0]]
     out = []
     for preset in sorted(REAL_SHAPE_PRESETS):
         for dt in ("bfloat16", "float16"):
             out += [_attention(preset, dt, True), _attention(preset, dt, False),
                     _merge(preset, dt), _rotary(preset, dt), _norm(preset, dt), _silu(preset, dt)]
+    top_ks = sorted({DUMMY_PRESETS[p].num_experts_per_tok for p in REAL_SHAPE_PRESETS
+                     if DUMMY_PRESETS[p].num_experts_per_tok})
+    for dt in ("bfloat16", "float16"):
+        for top_k in top_ks:
+            out += _fused_moe(dt, top_k)
     return out
 
 
@@ -205,8 +225,8 @@ def check(case: Case, arch: int) -> dict:
             "kv_buffers": bufs, "mma": ",".join(mma) or "-"}
     if spills and case.dtype != "float32":
         row["error"] = f"{spills} B of local memory (spills) per thread"
-    elif case.attention_dot and not mma:
-        row["error"] = "attention dot is not a tensor-core instruction (no HMMA/HGMMA)"
+    elif (case.attention_dot or case.gemm_dot) and not mma:
+        row["error"] = "the dot is not a tensor-core instruction (no HMMA/HGMMA)"
     elif case.attention_dot and bufs < 2:
         row["error"] = f"K/V tiles not double-buffered in the TTGIR ({bufs} async buffer(s))"
     return row
