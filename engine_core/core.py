@@ -22,6 +22,7 @@ from collections import deque
 import msgspec
 import zmq
 
+from engine_core.grammar_gate import GrammarGate
 from engine_core.kv_offload.scheduling import make_offload_manager
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
@@ -93,6 +94,8 @@ class EngineCore:
         self.in_flight = deque()
         self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
+        # constrained requests waiting for every rank's compiled grammar before admission
+        self.grammars = GrammarGate(world_size)
 
     # ------------------------------------------------------------------ start-up
 
@@ -202,9 +205,15 @@ class EngineCore:
     def run(self) -> None:
         while not self.shutdown_requested:
             busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
-            self._poll_frontend(0 if busy else int(PING_INTERVAL_S * 1000))
+            if busy:
+                self._poll_frontend(0)
+            elif self.grammars:
+                self._wait_frontend_or_workers(int(PING_INTERVAL_S * 1000))
+            else:
+                self._poll_frontend(int(PING_INTERVAL_S * 1000))
             if not self.in_flight:
                 self.link.drain()  # idle: the workers' pongs must still count
+            self._settle_grammars()
             self.link.maybe_ping()
             self.link.check_alive()
             if self.shutdown_requested:
@@ -263,6 +272,30 @@ class EngineCore:
                 timeout_ms = int(PING_INTERVAL_S * 1000)
             self._poll_frontend(timeout_ms)
 
+    def _wait_frontend_or_workers(self, timeout_ms: int) -> None:
+        """Idle but for held grammars: wake on a frontend message or a rank's answer, so a
+        compiled grammar is admitted at once rather than at the next ping."""
+        poller = zmq.Poller()
+        poller.register(self.req_sock, zmq.POLLIN)
+        poller.register(self.link.results, zmq.POLLIN)
+        poller.poll(timeout_ms)
+        self._poll_frontend(0)
+
+    def _settle_grammars(self) -> None:
+        """Admit the held requests every rank has compiled; fail those a rank could not."""
+        replies = self.link.grammar_replies
+        if not replies:
+            return
+        failed = []
+        for msg in replies:
+            settled = self.grammars.answer(msg)
+            if isinstance(settled, Request):
+                self.scheduler.add_request(settled)
+            elif settled is not None:
+                failed.append(settled)
+        replies.clear()
+        self._flush(failed)
+
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""
         need = self.world_size if self.config.enable_checksum else 1
@@ -314,6 +347,7 @@ class EngineCore:
             self._add_request(msg)
         elif isinstance(msg, AbortRequests):
             ids = [r for r in msg.request_ids if r in self.inflight]
+            self._flush(self.grammars.abort(ids))
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             # Send the abort outputs (and free the ids) now: an AddRequest reusing an id in the
             # same burst must not be refused as a duplicate of the request just aborted.
@@ -367,18 +401,21 @@ class EngineCore:
             self._reject(msg.request_id, err)
             return
         self.inflight.add(msg.request_id)
-        self.scheduler.add_request(
-            Request(
-                msg.request_id,
-                prompt,
-                msg.sampling_params,
-                self.eos_token_id,
-                msg.arrival_time or time.time(),
-                priority=msg.priority,
-                cache_salt=msg.cache_salt,
-                **job_fields(job),
-            )
+        req = Request(
+            msg.request_id,
+            prompt,
+            msg.sampling_params,
+            self.eos_token_id,
+            msg.arrival_time or time.time(),
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+            **job_fields(job),
         )
+        if msg.sampling_params.structured_outputs is not None:
+            # held until every rank compiled its grammar, so no step ever waits for one
+            self.link.pub.send(self.encoder.encode(self.grammars.hold(req)))
+        else:
+            self.scheduler.add_request(req)
 
     def _reject(self, request_id: str, reason: str) -> None:
         out = RequestOutput(
@@ -406,7 +443,7 @@ class EngineCore:
             last_seen_s=[now - t for t in self.link.last_seen],
             steps=self.steps,
             num_running=int(stats.get("num_running", 0)),
-            num_waiting=int(stats.get("num_waiting", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)) + len(self.grammars),
             kv_usage=float(stats.get("kv_usage", 0.0)),
             stats=stats,
         )

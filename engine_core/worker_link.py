@@ -15,7 +15,7 @@ import zmq
 from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
 from protocol.liveness import process_running
-from protocol.messages import HealthPing, WorkerError
+from protocol.messages import GrammarReady, HealthPing, WorkerError
 from protocol.transport import Endpoints, make_socket, recv_frame
 
 PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
@@ -48,6 +48,9 @@ class WorkerLink:
         self.ping_nonce = 0
         self.parent_pid = os.getppid()
         self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks on this host
+        # the ranks' answers to PrepareGrammar, whichever read found them (mid-step or idle);
+        # the core settles them between steps (engine_core.grammar_gate)
+        self.grammar_replies: list[GrammarReady] = []
 
     def close(self) -> None:
         self.pub.close(0)
@@ -70,6 +73,8 @@ class WorkerLink:
         rank = getattr(msg, "rank", None)
         if isinstance(rank, int) and 0 <= rank < self.world_size:
             self.last_seen[rank] = time.monotonic()
+        if isinstance(msg, GrammarReady):
+            self.grammar_replies.append(msg)
         return msg
 
     def drain(self) -> None:

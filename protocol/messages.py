@@ -38,7 +38,8 @@ from protocol.kv_transfer import KVLoadResult, KVTransfers
 from protocol.structured import StructuredOutputsParams
 
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
-PROTOCOL_VERSION = 2
+# 3: grammars compiled before admission (PrepareGrammar / GrammarReady)
+PROTOCOL_VERSION = 3
 
 
 class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -252,7 +253,20 @@ class ResetPrefixCache(msgspec.Struct, array_like=True, tag=24):
     pass
 
 
-WorkerBroadcast = SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache
+class PrepareGrammar(msgspec.Struct, array_like=True, tag=25):
+    """Compile a constrained request's grammar now, before the scheduler may admit it.
+
+    Sent once per constrained request when it arrives; ``ticket`` names it until every rank
+    answered (the request has no handle yet). Unconstrained requests never cause one.
+    """
+
+    ticket: int
+    spec: StructuredOutputsParams
+
+
+WorkerBroadcast = (
+    SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache | PrepareGrammar
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,4 +341,14 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
     nonce: int
 
 
-WorkerMessage = WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady
+class GrammarReady(msgspec.Struct, array_like=True, tag=35, kw_only=True):
+    """A rank's answer to PrepareGrammar: compiled (error empty), or why it failed."""
+
+    rank: int
+    ticket: int
+    error: str = ""
+
+
+WorkerMessage = (
+    WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady | GrammarReady
+)

@@ -21,43 +21,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_common import emit_json  # noqa: E402
+from structured_wire import SCHEMA, wire  # noqa: E402
 
 from launch import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from protocol.codec import pack  # noqa: E402
-from protocol.messages import NewRequestData, SchedulerOutput  # noqa: E402
-from protocol.messages import SamplingParams as WireParams  # noqa: E402
-
-# an endless object (the array never has to close) keeps every request decoding to max_tokens
-SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
-    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
-    "required": ["id", "name"]}}}, "required": ["items"]}
-
-
-def encoded(obj: object) -> int:
-    import msgspec
-
-    return len(msgspec.msgpack.encode(obj))  # the codec's framing: msgpack of the struct
-
-
-def wire(vocab: int, batch: int) -> dict[str, float]:
-    spec = StructuredOutputsParams(json=SCHEMA)
-    plain = NewRequestData(handle=1, prompt_token_ids=pack(list(range(32))),
-                           sampling_params=WireParams(max_tokens=64), block_ids=pack([1, 2]),
-                           num_computed_tokens=0, num_scheduled_tokens=32)
-    constrained = NewRequestData(handle=1, prompt_token_ids=pack(list(range(32))),
-                                 sampling_params=WireParams(max_tokens=64,
-                                                            structured_outputs=spec),
-                                 block_ids=pack([1, 2]), num_computed_tokens=0,
-                                 num_scheduled_tokens=32)
-    steady = SchedulerOutput(step_id=1000, num_running=batch, total_num_scheduled_tokens=batch)
-    bitmask = batch * -(-vocab // 32) * 4
-    return {
-        "decode_diff_bytes": float(encoded(steady)),
-        "decode_diff_bytes_scheduler_side": float(encoded(steady) + bitmask + 8),
-        "new_request_bytes_plain": float(encoded(SchedulerOutput(step_id=1, new_reqs=[plain]))),
-        "new_request_bytes_constrained": float(
-            encoded(SchedulerOutput(step_id=1, new_reqs=[constrained]))),
-    }
 
 
 def tpot_ms(llm: LLM, batch: int, out_len: int, spec: StructuredOutputsParams | None) -> float:

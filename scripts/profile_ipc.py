@@ -29,6 +29,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from structured_wire import bitmask_bytes, wire  # noqa: E402
+
 from engine_core.request import Request  # noqa: E402
 from engine_core.sched.scheduler import Scheduler  # noqa: E402
 from protocol.codec import Encoder, broadcast_decoder, pack  # noqa: E402
@@ -286,6 +288,11 @@ def broadcast_latency(frame: bytes, n_subs: int, count: int, gap_s: float) -> li
 # ------------------------------------------------------------------------------ main
 
 
+# the structured-output comparison: dummy:tiny's vocabulary at the largest batch
+STRUCTURED_VOCAB = 32000
+STRUCTURED_BATCH = 64
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -302,6 +309,9 @@ def main() -> None:
     mixed = mixed_workload(rng, 40 if a.quick else 300)
     count = 200 if a.quick else 1000
     bcast = {n: broadcast_latency(dec["frame"], n, count, 0.002) for n in (1, 2, 4, 8)}
+    # structured outputs at batch 64 on dummy:tiny's vocabulary: worker-side matchers keep the
+    # decode diff as is; a scheduler-side matcher would ship every constrained request's mask
+    so_wire = wire(STRUCTURED_VOCAB, STRUCTURED_BATCH)
 
     print(f"{'message':<18} {'field':<26} {'median B':>9} {'p99 B':>9}   (mixed workload)")
     for kind, field, med, p99 in per_field_table(mixed):
@@ -319,6 +329,10 @@ def main() -> None:
         ("lifetime_return_bytes (rank 0 -> core)", life["lifetime_return_bytes"], ""),
         ("encode_us (decode step)", round(dec["encode_us"], 2), ""),
         ("decode_us (decode step)", round(dec["decode_us"], 2), "sum <= 10"),
+        (f"structured decode diff, worker-side (batch {STRUCTURED_BATCH})",
+         so_wire["decode_diff_bytes"], ""),
+        ("structured decode diff, scheduler-side bitmask",
+         so_wire["decode_diff_bytes_scheduler_side"], ""),
     ]
     for name, value, target in figures:
         print(f"{name:<45} {value!s:>9} {target:>9}")
@@ -337,6 +351,16 @@ def main() -> None:
             "decode_us": round(dec["decode_us"], 3),
             "broadcast_p50_us": round(pct(bcast[4], 50), 1),
             "broadcast_p99_us": round(pct(bcast[4], 99), 1),
+            "structured_vocab_size": STRUCTURED_VOCAB,
+            "structured_batch": STRUCTURED_BATCH,
+            "structured_decode_diff_bytes": so_wire["decode_diff_bytes"],
+            "structured_decode_diff_bytes_scheduler_side":
+                so_wire["decode_diff_bytes_scheduler_side"],
+            "structured_bitmask_bytes_per_request": bitmask_bytes(STRUCTURED_VOCAB),
+            "structured_new_request_bytes_plain": so_wire["new_request_bytes_plain"],
+            "structured_new_request_bytes_constrained": so_wire["new_request_bytes_constrained"],
+            "structured_prepare_grammar_bytes": so_wire["prepare_grammar_bytes"],
+            "structured_grammar_ready_bytes": so_wire["grammar_ready_bytes"],
             "broadcast_us": {
                 str(n): {"p50": round(pct(v, 50), 1), "p99": round(pct(v, 99), 1)}
                 for n, v in bcast.items()

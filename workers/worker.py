@@ -15,6 +15,8 @@ import socket
 import sys
 import time
 import traceback
+from concurrent.futures import Future
+from typing import Any
 
 import msgspec
 import zmq
@@ -23,8 +25,10 @@ from protocol.codec import Encoder, ProtocolError, broadcast_decoder
 from protocol.config import EngineConfig
 from protocol.error_file import write_error_file
 from protocol.messages import (
+    GrammarReady,
     HealthPing,
     HealthPong,
+    PrepareGrammar,
     ProfileControl,
     ResetPrefixCache,
     SchedulerOutput,
@@ -41,6 +45,9 @@ logger = logging.getLogger("tandem.worker")
 # that hears nothing for CORE_SILENCE_S decides the core is gone and exits (no orphans).
 CORE_SILENCE_S = 1.5
 POLL_MS = 100
+# while a grammar compiles for the engine core, look for its end this often (a wake-up per
+# 10 ms, only then): the request it belongs to waits for the answer to be admitted
+GRAMMAR_POLL_MS = 10
 
 
 def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
@@ -103,6 +110,8 @@ class Worker:
         self.profiler = None
         self.fault = parse_fault(os.environ.get("TANDEM_FAULT_INJECT"))
         self.core_gone = False  # then nothing queued can be delivered: don't linger on exit
+        # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them)
+        self.grammar_tickets: dict[int, Future[Any]] = {}
 
     def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
         self.ctx = zmq.Context.instance()
@@ -141,7 +150,9 @@ class Worker:
         parent = os.getppid()
         last_heard = time.monotonic()
         while True:
-            frame = recv_frame(self.sub, POLL_MS)
+            frame = recv_frame(self.sub, GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS)
+            if self.grammar_tickets:
+                self.answer_grammars()
             now = time.monotonic()
             if frame is None:
                 if os.getppid() != parent:
@@ -179,6 +190,17 @@ class Worker:
                 self.set_profiler(msg.enable, msg.trace_dir)
             elif isinstance(msg, ResetPrefixCache):
                 pass  # KV contents need no reset: the scheduler only forgets hashes
+            elif isinstance(msg, PrepareGrammar):
+                self.grammar_tickets[msg.ticket] = self.runner.prepare_grammar(msg.spec)
+                self.answer_grammars()  # a cached grammar is ready at once
+
+    def answer_grammars(self) -> None:
+        """Tell the core which of its grammars this rank has compiled (or failed to)."""
+        done = [t for t, f in self.grammar_tickets.items() if f.done()]
+        for ticket in done:
+            exc = self.grammar_tickets.pop(ticket).exception()
+            error = "" if exc is None else (str(exc) or type(exc).__name__)
+            self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error))
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:

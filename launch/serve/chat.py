@@ -15,6 +15,7 @@ from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
 from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dicts
 from launch.serve.structured import constrain, request_constraint
+from launch.serve.tool_stream import ToolCallStream
 from launch.serve.tools import tool_constraint, with_tool_calls
 
 
@@ -83,20 +84,29 @@ async def create_chat_completion(
     head = ctx.chunk_head(gen, "chat.completion.chunk")
     tok = ctx.tokenizer
     started: set[int] = set()
+    # a forced tool call streams as delta.tool_calls (name, then argument chunks), per choice
+    calls: dict[int, ToolCallStream] = {}
 
     def chunks(deltas: list[Delta]) -> list[dict[str, Any]]:
         out = []
         for d in deltas:
             c = d.choice
+            finish = d.finish_reason
             delta: dict[str, Any] = {"content": d.text}
+            if plan is not None:
+                stream = calls.setdefault(c.index, ToolCallStream(plan))
+                entries = stream.feed(d.text)
+                delta = {"tool_calls": entries} if entries else {}
+                if finish == "stop" and stream.num_calls:
+                    finish = "tool_calls"
             if c.index not in started:  # the role rides on the first real token's chunk
                 started.add(c.index)
-                delta = {"role": "assistant"} | delta
+                delta = {"role": "assistant"} | ({"content": None} if plan else {}) | delta
             choice = {
                 "index": c.index,
                 "delta": delta,
                 "logprobs": _logprobs(tok, d.token_ids, d.logprobs, top) if want_lp else None,
-                "finish_reason": d.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": c.stop_reason if d.finish_reason else None,
             }
             if req.return_token_ids:

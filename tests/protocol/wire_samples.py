@@ -7,6 +7,7 @@ import msgspec
 from protocol import messages as m
 from protocol.codec import pack, pack_f32
 from protocol.kv_transfer import KVLoadResult, KVTransfers, pack_tags
+from protocol.structured import StructuredOutputsParams
 
 SP = m.SamplingParams(
     max_tokens=77,
@@ -115,6 +116,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthPing(nonce=2**40),
     m.ProfileControl(enable=True, trace_dir="/t"),
     m.ResetPrefixCache(),
+    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+")),
     m.WorkerHello(
         rank=1,
         world_size=2,
@@ -147,4 +149,5 @@ SAMPLES: list[msgspec.Struct] = [
     m.WorkerError(rank=1, message="oom", traceback="Traceback ...", step_id=5),
     m.HealthPong(rank=1, nonce=3, last_step_id=9),
     m.WorkerReady(rank=2, nonce=5),
+    m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
 ]

@@ -22,6 +22,8 @@ CASES = {
             "decode_us",
             "broadcast_p50_us",
             "broadcast_p99_us",
+            "structured_decode_diff_bytes",
+            "structured_decode_diff_bytes_scheduler_side",
         ],
     ),
     "bench_scheduler.py": (

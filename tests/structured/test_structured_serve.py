@@ -77,6 +77,27 @@ def test_forced_tool_call(client: Any) -> None:
         assert calls and all(c.function.name in ("weather", "noop") for c in calls)
 
 
+def test_streamed_tool_call(client: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": SCHEMA}}]
+    stream = client.chat.completions.create(
+        model="micro", messages=MSG, max_tokens=60, temperature=0.0, tools=tools,
+        tool_choice={"type": "function", "function": {"name": "weather"}}, stream=True)
+    heads, args, finish, pieces = [], "", None, 0
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            if tc.id is not None:  # the head: id, type, name; arguments follow in chunks
+                heads.append((tc.type, tc.function.name))
+            args += tc.function.arguments or ""
+            pieces += bool(tc.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert heads == [("function", "weather")] and finish == "tool_calls"
+    assert pieces > 1  # the arguments arrived as they were generated, not in one piece
+    jsonschema.validate(json.loads(args), SCHEMA)
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
      "json"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from workers.sample.sampler import GREEDY_EPS, Sampler, tokens_checksum
 from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from protocol.structured import StructuredOutputsParams
     from workers.kv_offload.host_pool import KVOffloadExecutor
     from workers.model.config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
@@ -85,9 +88,8 @@ class ModelRunner:
         # only then)
         self.structured: StructuredOutputs | None = None
 
-    def _structured_outputs(self, so: SchedulerOutput) -> StructuredOutputs | None:
-        if self.structured is None and any(
-                nr.sampling_params.structured_outputs is not None for nr in so.new_reqs):
+    def _make_structured(self) -> StructuredOutputs:
+        if self.structured is None:
             from workers.sample.structured import StructuredOutputs
 
             assert self.model_config is not None
@@ -95,6 +97,17 @@ class ModelRunner:
             self.structured = StructuredOutputs.for_model(
                 self.config.tokenizer or self.config.model, self.model_config.vocab_size,
                 self.config.max_num_seqs * (1 + k), k, self.device)
+        return self.structured
+
+    def prepare_grammar(self, spec: StructuredOutputsParams) -> Future[Any]:
+        """Start compiling a constraint before its request is scheduled; the request's
+        NewRequestData later finds it in the grammar cache."""
+        return self._make_structured().cache.submit(spec)
+
+    def _structured_outputs(self, so: SchedulerOutput) -> StructuredOutputs | None:
+        if self.structured is None and any(
+                nr.sampling_params.structured_outputs is not None for nr in so.new_reqs):
+            self._make_structured()
         if self.structured is not None:
             self.structured.apply_diff(so)
         return self.structured

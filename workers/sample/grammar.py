@@ -15,8 +15,10 @@ and every rank see one table.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -107,12 +109,21 @@ def compile_constraint(
         raise GrammarError(f"invalid structured_outputs.{kind}: {first}") from None
 
 
+def hold_until_file(path: str, limit_s: float = 120.0) -> None:
+    """TEST-ONLY slow compile (TANDEM_TEST_GRAMMAR_HOLD=path on the workers): a compile waits
+    until ``path`` exists, so a test decides when a grammar is ready without timing."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class GrammarCache:
     """Compiled grammars by key, compiled on a thread pool; the token table built once, lazily
     (on the pool too: a tokenizer can take seconds to load)."""
 
-    def __init__(self, info_factory: Any) -> None:
+    def __init__(self, info_factory: Any, before_compile: Any = None) -> None:
         self._info_factory = info_factory  # () -> xgr.TokenizerInfo
+        self._before_compile = before_compile  # () -> None: a test's slow compile, else None
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()  # guards _futures; held only for dict work
         self._compiler_lock = threading.Lock()  # held while the token table is built
@@ -140,6 +151,8 @@ class GrammarCache:
             return self._compiler
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        if self._before_compile is not None:
+            self._before_compile()
         return compile_constraint(self.compiler(), spec)
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ draft the grammar refuses is masked out of its own row, so verification rejects 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from protocol.codec import unpack
 from protocol.messages import SchedulerOutput
 from protocol.structured import StructuredOutputsParams
-from workers.sample.grammar import GrammarCache, load_tokenizer_info
+from workers.sample.grammar import GrammarCache, hold_until_file, load_tokenizer_info
 from workers.sample.spec_decode import DraftLayout
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A step that must sample a request whose grammar is still compiling waits at most this long;
-# the frontend compiled the same grammar before queueing it, so this is a cache-cold compile.
+# The engine core admits a constrained request only once every rank answered PrepareGrammar,
+# so its grammar is in this rank's cache when it first samples; the wait is a safety net for a
+# request that reached the workers some other way (it is then this rank's own compile).
 COMPILE_WAIT_S = 60.0
 
 
@@ -52,8 +54,9 @@ class StepMasks:
 
 class StructuredOutputs:
     def __init__(self, info_factory: Callable[[], xgr.TokenizerInfo], vocab_size: int,
-                 max_rows: int, max_drafts: int, device: torch.device) -> None:
-        self.cache = GrammarCache(info_factory)
+                 max_rows: int, max_drafts: int, device: torch.device,
+                 before_compile: Callable[[], None] | None = None) -> None:
+        self.cache = GrammarCache(info_factory, before_compile)
         self.vocab_size = vocab_size
         self.device = device
         self.max_drafts = max_drafts
@@ -70,8 +73,10 @@ class StructuredOutputs:
     @classmethod
     def for_model(cls, tokenizer_source: str, vocab_size: int, max_rows: int, max_drafts: int,
                   device: torch.device) -> StructuredOutputs:
+        hold = os.environ.get("TANDEM_TEST_GRAMMAR_HOLD")  # unset in real use
         return cls(lambda: load_tokenizer_info(tokenizer_source, vocab_size), vocab_size,
-                   max_rows, max_drafts, device)
+                   max_rows, max_drafts, device,
+                   (lambda: hold_until_file(hold)) if hold else None)
 
     # ------------------------------------------------------------------ requests
 
