@@ -28,6 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Kernels decorated under the interpreter cannot be compiled ahead of time; a caller's
+# TRITON_INTERPRET=1 (the CPU test suite sets it) must not reach the decorators below.
+os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
