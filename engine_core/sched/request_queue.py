@@ -57,80 +57,58 @@ class FCFSRequestQueue:
         return iter(self._q)
 
 
-class PriorityRequestQueue:
-    """Heap of (priority, arrival_time, request_id, request); ids are unique, so the request
-    object itself is never compared."""
+class _KeyedHeapQueue:
+    """Heap of (key(request), arrival_time, request_id, request); ids are unique, so the
+    request object itself is never compared. The key is fixed when a request is added, and a
+    preempted request goes back by the same key."""
+
+    def __init__(self, key: Callable[[Request], float]) -> None:
+        self._heap: list[tuple[float, float, str, Request]] = []
+        self._key = key
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(
+            self._heap, (self._key(request), request.arrival_time, request.request_id, request)
+        )
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
+    def peek_request(self) -> Request:
+        return self._heap[0][3]
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [e for e in self._heap if id(e[3]) not in gone]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In queue order (sorts a copy: for inspection, not for hot paths)."""
+        return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
+
+
+class PriorityRequestQueue(_KeyedHeapQueue):
+    """Lowest priority value first, then arrival."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, str, Request]] = []
-
-    def add_request(self, request: Request) -> None:
-        heapq.heappush(
-            self._heap, (request.priority, request.arrival_time, request.request_id, request)
-        )
-
-    # a preempted request simply goes back by its own key: its priority did not change
-    prepend_request = add_request
-
-    def peek_request(self) -> Request:
-        return self._heap[0][3]
-
-    def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        gone = {id(r) for r in requests}
-        self._heap = [e for e in self._heap if id(e[3]) not in gone]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In priority order (sorts a copy: for inspection, not for hot paths)."""
-        return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
+        super().__init__(lambda r: r.priority)
 
 
-class ContinuumRequestQueue:
-    """A heap of (program_key(request), arrival_time, request_id, request): the key is the
-    request's job's first arrival (its own arrival without a job), fixed when it is added."""
+class ContinuumRequestQueue(_KeyedHeapQueue):
+    """Program-level FCFS: the key is the request's job's first arrival (its own arrival
+    without a job), so a job's later turn goes before jobs that started after it."""
 
     def __init__(self, program_key: Callable[[Request], float]) -> None:
-        self._heap: list[tuple[float, float, str, Request]] = []
-        self.program_key = program_key
-
-    def add_request(self, request: Request) -> None:
-        heapq.heappush(
-            self._heap,
-            (self.program_key(request), request.arrival_time, request.request_id, request),
-        )
-
-    # a preempted request goes back by its own key: its job still started when it did
-    prepend_request = add_request
-
-    def peek_request(self) -> Request:
-        return self._heap[0][3]
-
-    def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        gone = {id(r) for r in requests}
-        self._heap = [e for e in self._heap if id(e[3]) not in gone]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In program order (sorts a copy: for inspection, not for hot paths)."""
-        return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
+        super().__init__(program_key)
 
 
 WaitingQueue = FCFSRequestQueue | PriorityRequestQueue | ContinuumRequestQueue
