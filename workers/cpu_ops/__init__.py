@@ -44,6 +44,8 @@ _SIGNATURES: dict[str, list] = {
                          _ptr],
     "tandem_silu_and_mul": [_int, _ptr, _ptr, _i64, _i64],
     "tandem_argmax": [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "tandem_apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
+    "tandem_masked_argmax": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr],
     "tandem_shm_post": [_ptr, _i64, _ptr, _ptr, _i64],
     "tandem_shm_wait": [_ptr, _i64, _int, _i64, _i64],
     "tandem_shm_sum": [_int, _ptr, _ptr, _i64, _int, _i64],
@@ -251,6 +253,37 @@ def argmax(x: torch.Tensor, cols: int | None = None) -> tuple[torch.Tensor, torc
     lib.tandem_argmax(_code(x), idx.data_ptr(), val.data_ptr(), x.data_ptr(), x.stride(0), n,
                       x.shape[1] if cols is None else cols)
     return val, idx
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                        vocab: int) -> None:
+    """Set logits[r, t] = -inf, in place, for every row r in `rows` (int64) and token t < vocab
+    whose bit is clear in bitmask[r] (int32 words, 32 tokens each, xgrammar's layout)."""
+    lib = _lib_or_raise()
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and bitmask.stride(1) == 1
+    assert bitmask.dtype == torch.int32 and rows.dtype == torch.int64 and rows.is_contiguous()
+    assert bitmask.shape[1] * 32 >= vocab and logits.shape[1] >= vocab
+    lib.tandem_apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(),
+                                   bitmask.stride(0), rows.data_ptr(), rows.numel(), vocab)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,
+                  vocab: int) -> torch.Tensor:
+    """Greedy tokens [N] int64 of float32 `logits` [N, >= vocab] over the first `vocab` columns:
+    row i over the tokens bitmask[mask_rows[i]] allows (xgrammar's layout), or over all of them
+    where mask_rows[i] < 0. Equal to masking the rows to -inf and taking torch.argmax."""
+    lib = _lib_or_raise()
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1 and bitmask.stride(1) == 1
+    assert bitmask.dtype == torch.int32 and bitmask.shape[1] * 32 >= vocab
+    assert mask_rows.dtype == torch.int64 and mask_rows.is_contiguous()
+    n = logits.shape[0]
+    assert mask_rows.numel() == n and logits.shape[1] >= vocab
+    idx = torch.empty(n, dtype=torch.int64)
+    val = torch.empty(n, dtype=torch.float32)
+    lib.tandem_masked_argmax(idx.data_ptr(), val.data_ptr(), logits.data_ptr(), logits.stride(0),
+                             n, vocab, bitmask.data_ptr(), bitmask.stride(0),
+                             mask_rows.data_ptr())
+    return idx
 
 
 def bf16_matmul_available() -> bool:

@@ -293,12 +293,19 @@ class ModelRunner:
                 t2 = time.perf_counter()
             else:
                 logits = self.model.compute_logits(hidden[idx])
+                greedy = None
                 if masks is not None:
                     assert structured is not None
                     logits = logits.float()
-                    structured.apply(masks, logits)
+                    if (drafts is None and not md.need_logprobs
+                            and bool((md.temperature <= GREEDY_EPS).all())):
+                        greedy = structured.greedy(masks, logits)
+                    if greedy is None:
+                        structured.apply(masks, logits)
                 t2 = time.perf_counter()
-                if drafts is None:
+                if greedy is not None:
+                    sampled = greedy.to(torch.int32).numpy()
+                elif drafts is None:
                     out = self.sampler(logits, md)
                     sampled = out.token_ids.to(torch.int32).cpu().numpy()
                     if out.logprobs is not None:

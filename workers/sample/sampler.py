@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workers import cpu_ops
 from workers.runner.host_copy import to_device
 from workers.sample.counter_rng import SEEDED_ROW, counter_uniforms
 
@@ -96,7 +97,7 @@ class Sampler:
         n = logits.shape[0]
         greedy = md.temperature <= GREEDY_EPS
         if greedy.all():
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
             lp = gather_logprobs(logits, tokens) if md.need_logprobs else None
             return SamplerOutput(tokens, lp)
 
@@ -110,7 +111,7 @@ class Sampler:
             tokens = rand_tokens
         else:
             # Greedy rows take argmax and consume no randomness.
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
             tokens[to_device(rand_rows, self.device)] = rand_tokens
         lp = None
         if md.need_logprobs:
@@ -136,6 +137,14 @@ class Sampler:
         if not seeded.all():
             self.shared_draws += 1
         return counter_uniforms(to_device(keys, self.device), lanes)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index of the max): the C++ kernel on CPU is one vectorized pass,
+    several times faster than torch's at a 32k vocabulary."""
+    if cpu_ops.active(logits) and logits.stride(-1) == 1:
+        return cpu_ops.argmax(logits)[1]
+    return logits.argmax(dim=-1)
 
 
 def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,12 @@ text (once, in NewRequestData) crosses the wire.
 One step: ``plan`` starts filling the bitmask on a helper thread as soon as the step's inputs
 are known (the mask depends only on tokens accepted in earlier steps; xgrammar's fill releases
 the GIL, so it runs while the forward does); ``apply`` waits for it and masks the logits in one
-op (xgrammar's kernel on CUDA, its CPU path on CPU) before any sampling; ``accept`` advances the
-matchers by the emitted tokens. With drafts, a request's k + 1 logits rows get the masks after
-each accepted draft: the matcher accepts the drafts to fill them and then rolls back, and a
-draft the grammar refuses is masked out of its own row, so verification rejects it.
+op before any sampling (xgrammar's kernel on CUDA; on CPU the engine's C++ kernel, or
+xgrammar's CPU path without it); ``accept`` queues the matchers' advance by the emitted tokens
+on the same thread, ahead of the next step's fill, so it too overlaps other work. With
+drafts, a request's k + 1 logits rows get the masks after each accepted draft: the matcher
+accepts the drafts to fill them and then rolls back, and a draft the grammar refuses is masked
+out of its own row, so verification rejects it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from protocol.codec import unpack
 from protocol.messages import SchedulerOutput
 from protocol.structured import StructuredOutputsParams
+from workers import cpu_ops
 from workers.sample.grammar import GrammarCache, hold_until_file, load_tokenizer_info
 from workers.sample.spec_decode import DraftLayout
 
@@ -68,7 +71,11 @@ class StructuredOutputs:
         if device.type == "cuda":
             self.bitmask = self.bitmask.pin_memory()
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask")
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
         self.failed: dict[int, str] = {}  # handles whose grammar failed -> reason
+        # matcher advances queued on the bitmask thread in this step and in the one before
+        self._accepts_now: list[Future[list[tuple[int, xgr.GrammarMatcher, str]]]] = []
+        self._accepts_prev: list[Future[list[tuple[int, xgr.GrammarMatcher, str]]]] = []
 
     @classmethod
     def for_model(cls, tokenizer_source: str, vocab_size: int, max_rows: int, max_drafts: int,
@@ -117,33 +124,45 @@ class StructuredOutputs:
         order); None when none of them is constrained."""
         if not (self.matchers or self.pending):
             return None
-        starts = drafts.row_starts if drafts is not None else np.arange(len(handles))
+        starts = drafts.row_starts.tolist() if drafts is not None else None
         work: list[tuple[xgr.GrammarMatcher | None, int, list[int]]] = []
         rows: list[int] = []
         spec: list[tuple[int, int]] = []
+        matchers, pending = self.matchers, self.pending
         for j, h in enumerate(handles.tolist()):
-            if not self.is_constrained(h):
-                continue
-            m = self._matcher(h)
-            k = 0
-            ids: list[int] = []
-            if drafts is not None:
-                k = int(drafts.num_drafts[j])
-                s = int(drafts.draft_starts[j])
-                ids = drafts.draft_ids[s : s + k].tolist()
-            first = int(starts[j])
-            rows.extend(range(first, first + k + 1))
+            m = matchers.get(h)
+            if m is None:
+                if h not in pending:
+                    continue
+                m = self._matcher(h)
             spec.append((h, j))
-            work.append((m, first, ids))
+            if starts is None:
+                rows.append(j)
+                work.append((m, j, []))
+                continue
+            assert drafts is not None
+            k = int(drafts.num_drafts[j])
+            s = int(drafts.draft_starts[j])
+            first = starts[j]
+            rows.extend(range(first, first + k + 1))
+            work.append((m, first, drafts.draft_ids[s : s + k].tolist()))
         if not rows:
             return None
         return StepMasks(rows, self._filler.submit(self._fill, work), spec)
 
     def _fill(self, work: list[tuple[xgr.GrammarMatcher | None, int, list[int]]]) -> None:
         bm = self.bitmask
+        # matchers with no drafts to check fill their rows in one call (one crossing into
+        # xgrammar instead of one per request)
+        batch: list[xgr.GrammarMatcher] = []
+        batch_rows: list[int] = []
         for m, first, drafts in work:
             if m is None:  # failed grammar: the request is finished with "error"; no mask
                 bm[first : first + len(drafts) + 1] = -1
+                continue
+            if not drafts and not m.is_terminated():
+                batch.append(m)
+                batch_rows.append(first)
                 continue
             accepted = 0
             for i in range(len(drafts) + 1):
@@ -155,6 +174,17 @@ class StructuredOutputs:
                     accepted += 1
             if accepted:
                 m.rollback(accepted)
+        if batch:
+            self._batch.batch_fill_next_token_bitmask(batch, bm, batch_rows)
+
+    @property
+    def _batch(self) -> xgr.BatchGrammarMatcher:
+        import xgrammar as xgr
+
+        if self._batch_matcher is None:
+            # one thread: the fill already runs beside the forward, which has the cores
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        return self._batch_matcher
 
     def _fill_row(self, m: xgr.GrammarMatcher, row: int) -> None:
         if m.is_terminated():
@@ -167,39 +197,81 @@ class StructuredOutputs:
 
     def apply(self, step: StepMasks, logits: torch.Tensor) -> None:
         """Mask the constrained rows of ``logits`` (float32) in place, in one op."""
-        import xgrammar as xgr
-
         step.fill.result()
         n = logits.shape[0]
         mask = self.bitmask[:n]
+        if cpu_ops.active(logits):
+            # xgrammar's CPU path tests every token's bit (10 ms for 64 rows of a 32k
+            # vocabulary, more than the step it masks); the kernel writes only refused tokens
+            cpu_ops.apply_token_bitmask(logits, mask, torch.tensor(step.rows), self.vocab_size)
+            return
+        import xgrammar as xgr
+
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size,
                                         indices=step.rows)
 
+    def greedy(self, step: StepMasks, logits: torch.Tensor) -> torch.Tensor | None:
+        """Argmax tokens of ``logits`` with the constrained rows masked, in one read of the
+        logits and no masking pass; None where the CPU kernel is unavailable (then ``apply``
+        and the sampler)."""
+        if not cpu_ops.active(logits):
+            return None
+        step.fill.result()
+        mask_rows = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+        rows = torch.tensor(step.rows)
+        mask_rows[rows] = rows
+        return cpu_ops.masked_argmax(logits, self.bitmask, mask_rows, self.vocab_size)
+
     def accept(self, step: StepMasks, tokens: np.ndarray, counts: np.ndarray | None) -> None:
-        """Advance the matchers by the tokens each request emitted this step (``tokens``
-        flattened in sampling order, ``counts`` per request or None for one each)."""
+        """Start advancing the matchers by the tokens each request emitted this step
+        (``tokens`` flattened in sampling order, ``counts`` per request or None for one each).
+
+        The matchers advance on the bitmask thread, queued before the next step's fill, so the
+        grammar work (tens of microseconds a token) overlaps the output, the next schedule and
+        the next forward instead of lengthening this step."""
         if counts is None:
             starts = np.arange(len(tokens))
             counts = np.ones(len(tokens), dtype=np.int64)
         else:
             starts = np.cumsum(counts) - counts
+        work: list[tuple[int, xgr.GrammarMatcher, list[int]]] = []
         for h, j in step.spec:
             m = self.matchers.get(h)
-            if m is None:
-                continue
-            s = int(starts[j])
-            for t in tokens[s : s + int(counts[j])].tolist():
+            if m is not None:
+                s = int(starts[j])
+                work.append((h, m, tokens[s : s + int(counts[j])].tolist()))
+        if work:
+            self._accepts_now.append(self._filler.submit(self._accept, work))
+
+    @staticmethod
+    def _accept(work: list[tuple[int, xgr.GrammarMatcher, list[int]]]
+                ) -> list[tuple[int, xgr.GrammarMatcher, str]]:
+        refused = []
+        for h, m, tokens in work:
+            for t in tokens:
                 if m.is_terminated():
                     break
                 if not m.accept_token(t):
                     # the mask allowed only grammar tokens, so this is a bug: fail the request
-                    # (every rank does the same) rather than emit unconstrained text
-                    self.failed[h] = f"structured output: token {t} refused by the grammar"
+                    # rather than emit unconstrained text
+                    refused.append((h, m, f"structured output: token {t} refused by the grammar"))
                     break
+        return refused
 
     def take_failed(self, into: dict[int, str]) -> None:
+        """Move this rank's failed requests into ``into``; called once a step.
+
+        A refused token is reported one step after it was sampled: the step before's accepts
+        are waited for here (long done: the next fill queued behind them), never this step's,
+        so every rank reports the same requests in the same step whatever its threads' timing.
+        """
+        for fut in self._accepts_prev:
+            for h, m, reason in fut.result():
+                if self.matchers.get(h) is m:  # not finished meanwhile
+                    self.failed[h] = reason
+        self._accepts_prev, self._accepts_now = self._accepts_now, []
         if self.failed:
             into.update(self.failed)
             for h in self.failed:

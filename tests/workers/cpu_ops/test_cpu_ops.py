@@ -151,6 +151,42 @@ def test_argmax_takes_the_lowest_tied_index_within_cols(dtype):
     assert np.array_equal(idx.numpy(), ref_idx.numpy())
 
 
+def _bitmasks(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """Masks of every kind a grammar makes: all allowed, few allowed, random, none allowed."""
+    words = -(-vocab // 32)
+    bm = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    bm[0] = -1
+    bm[1] = 0
+    bm[1, 3] = (1 << 5) - (1 << 31)  # bits 5 and 31 (sign): tokens 101 and 127
+    bm[2] = 0
+    bm[3, :-1] = -1  # everything but the last, partial word
+    return bm
+
+
+def test_token_bitmask_matches_xgrammar_and_masked_argmax_matches_masking():
+    """The masking kernel equals xgrammar's (the reference the GPU path uses); the masked
+    argmax equals masking then torch.argmax, ties to the lowest id, unmasked rows plain."""
+    xgr = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(11)
+    vocab = 1000  # not a multiple of 32: the last word is partial
+    bm = _bitmasks(6, vocab, g)
+    logits = torch.randn(6, vocab + 24, generator=g)[:, :vocab]  # strided rows, like a slice
+    logits[1, 101] = logits[1, 127] = 7.0  # a tie among the allowed tokens
+    rows = torch.tensor([0, 1, 3, 4, 5])
+    ours, ref = logits.clone(), logits.clone()
+    cpu_ops.apply_token_bitmask(ours, bm, rows, vocab)
+    xgr.apply_token_bitmask_inplace(ref, bm, vocab_size=vocab, indices=rows.tolist())
+    assert torch.equal(ours, ref)
+
+    mask_rows = torch.tensor([0, 1, -1, 3, 4, 5])
+    greedy = cpu_ops.masked_argmax(logits.contiguous(), bm, mask_rows, vocab)
+    assert greedy.tolist() == ref.argmax(-1).tolist()
+    assert greedy[1] == 101
+    # a row allowing nothing gets token 0 (what argmax over an all -inf row gives)
+    assert cpu_ops.masked_argmax(logits.contiguous()[2:3], bm[2:3], torch.tensor([0]),
+                                 vocab).tolist() == [0]
+
+
 needs_bf16_matmul = pytest.mark.skipif(not cpu_ops.bf16_matmul_available(),
                                        reason="the CPU has no AVX512-BF16")
 

@@ -1,5 +1,5 @@
 // Row-wise kernels of the forward pass: RMSNorm (with the residual add), rotary embeddings,
-// SiLU-and-mul, argmax; and the OpenMP thread count every kernel follows.
+// SiLU-and-mul, argmax, token-bitmask masking; and the OpenMP thread count every kernel follows.
 
 #include "common.h"
 
@@ -165,6 +165,71 @@ void argmax_impl(int64_t* idx, float* val, const T* x, int64_t x_stride, int64_t
   }
 }
 
+// Tokens a grammar refuses get a logit of -inf. Bit t % 32 of word t / 32 of a row's bitmask is
+// set when token t is allowed (xgrammar's layout). Only refused tokens are written, and a word
+// with every token allowed (most of them inside a JSON string) costs one compare per 32 tokens.
+void apply_bitmask_row(float* row, const uint32_t* bits, int64_t vocab) {
+  const int64_t words = (vocab + 31) / 32;
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t refused = ~bits[w];
+    if (refused == 0) continue;
+    const int64_t base = w * 32;
+    if (refused == 0xFFFFFFFFu && base + 32 <= vocab) {
+#pragma omp simd
+      for (int64_t j = 0; j < 32; ++j) row[base + j] = -INFINITY;
+      continue;
+    }
+    while (refused != 0) {
+      const int64_t t = base + __builtin_ctz(refused);
+      if (t < vocab) row[t] = -INFINITY;
+      refused &= refused - 1;
+    }
+  }
+}
+
+// argmax over the tokens a row's bitmask allows, without writing the masked logits: what a
+// greedy constrained row needs, in one read of the row instead of a masking pass and a scan.
+// Ties go to the lowest id; a row allowing nothing (or only NaN/-inf logits) returns its first
+// allowed token, or 0.
+void masked_argmax_row(int64_t* idx, float* val, const float* row, const uint32_t* bits,
+                       int64_t cols) {
+  const int64_t words = (cols + 31) / 32;
+  float m = -INFINITY;
+  int64_t first_allowed = -1, best_word = -1;
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t allowed = bits[w];
+    if (allowed == 0) continue;
+    const int64_t base = w * 32;
+    if (first_allowed < 0) first_allowed = base + __builtin_ctz(allowed);
+    float cm = -INFINITY;
+    if (allowed == 0xFFFFFFFFu && base + 32 <= cols) {
+#pragma omp simd reduction(max : cm)
+      for (int64_t j = base; j < base + 32; ++j) cm = row[j] > cm ? row[j] : cm;
+    } else {
+      for (uint32_t a = allowed; a != 0; a &= a - 1) {
+        const int64_t t = base + __builtin_ctz(a);
+        if (t < cols && row[t] > cm) cm = row[t];
+      }
+    }
+    if (cm > m) {  // the first word reaching the max holds its first (lowest) index
+      m = cm;
+      best_word = w;
+    }
+  }
+  int64_t best = first_allowed < 0 ? 0 : first_allowed;
+  if (best_word >= 0) {
+    for (uint32_t a = bits[best_word]; a != 0; a &= a - 1) {
+      const int64_t t = best_word * 32 + __builtin_ctz(a);
+      if (t < cols && row[t] == m) {
+        best = t;
+        break;
+      }
+    }
+  }
+  *idx = best;
+  *val = m;
+}
+
 }  // namespace
 
 extern "C" {
@@ -224,6 +289,30 @@ void tandem_argmax(int dtype, int64_t* idx, float* val, const void* x, int64_t x
     argmax_impl(idx, val, static_cast<const float*>(x), x_stride, n, cols);
   else
     argmax_impl(idx, val, static_cast<const uint16_t*>(x), x_stride, n, cols);
+}
+
+void tandem_apply_token_bitmask(float* logits, int64_t l_stride, const int32_t* bitmask,
+                                int64_t b_stride, const int64_t* rows, int64_t n, int64_t vocab) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    apply_bitmask_row(logits + rows[i] * l_stride,
+                      reinterpret_cast<const uint32_t*>(bitmask + rows[i] * b_stride), vocab);
+}
+
+// Rows with mask_rows[i] < 0 take the plain argmax, the others the argmax over the tokens
+// bitmask row mask_rows[i] allows.
+void tandem_masked_argmax(int64_t* idx, float* val, const float* x, int64_t x_stride, int64_t n,
+                          int64_t cols, const int32_t* bitmask, int64_t b_stride,
+                          const int64_t* mask_rows) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask_rows[i] < 0)
+      argmax_impl(idx + i, val + i, x + i * x_stride, x_stride, 1, cols);
+    else
+      masked_argmax_row(idx + i, val + i, x + i * x_stride,
+                        reinterpret_cast<const uint32_t*>(bitmask + mask_rows[i] * b_stride),
+                        cols);
+  }
 }
 
 }  // extern "C"
