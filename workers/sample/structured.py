@@ -98,9 +98,6 @@ class StructuredOutputs:
             if spec is not None:
                 self.pending[nr.handle] = self.cache.submit(spec)
 
-    def is_constrained(self, handle: int) -> bool:
-        return handle in self.matchers or handle in self.pending
-
     def _matcher(self, handle: int) -> xgr.GrammarMatcher | None:
         m = self.matchers.get(handle)
         if m is not None:
