@@ -21,6 +21,8 @@ from launch.serve.field_checks import (
     check_logit_bias,
     check_max_tokens,
     check_prompt_chars,
+    check_request_id,
+    check_stop,
     max_token_chars,
 )
 from launch.serve.generation import Generation
@@ -120,6 +122,8 @@ class ServerContext:
                          max_tokens_param: str = "max_tokens") -> Generation:
         """A validated Generation of `prompts` with the request's sampling fields (shared by
         /v1/completions and /v1/chat/completions)."""
+        check_request_id(req.request_id)
+        check_stop(req.stop_list())
         gen = Generation(
             self.engine,
             self.metrics,

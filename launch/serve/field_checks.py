@@ -1,6 +1,6 @@
 """Value checks of request fields the engine's own validation does not see: chat messages,
-logit_bias, logprobs counts, max_tokens against max_model_len, and a prompt's length in
-characters before it is tokenized.
+logit_bias, logprobs counts, max_tokens against max_model_len, stop strings, request ids, and a
+prompt's length in characters before it is tokenized.
 
 Each failure is a 400 whose `param` names the field (and whose message names the exact spot,
 e.g. `messages[2].role`).
@@ -20,6 +20,12 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 # count in range gets that one entry.
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
+# Every stop string is searched for in each new piece of text and the longest one sets how much
+# text is held back from a stream, so both the count and the length are bounded (OpenAI allows
+# 4 strings; these leave room for clients that send more).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256  # it names the request in every log line and response
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -101,3 +107,19 @@ def check_prompt_chars(text: str, limit: int, max_model_len: int, param: str) ->
             f"({max_model_len}) tokens can hold ({limit} characters at most)",
             param,
         )
+
+
+def check_stop(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop holds {len(stop)} strings, at most {MAX_STOP_STRINGS} allowed",
+                          "stop")
+    for i, text in enumerate(stop):  # an empty string is ignored, as before
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"stop[{i}] is {len(text)} characters long, at most "
+                              f"{MAX_STOP_CHARS} allowed", "stop")
+
+
+def check_request_id(request_id: str | None) -> None:
+    if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got "
+                          f"{len(request_id)}", "request_id")
