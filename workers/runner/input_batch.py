@@ -5,9 +5,8 @@ to preallocated numpy arrays whose active rows stay contiguous, builds the model
 with vectorized ops, and appends its own sampled tokens. A steady decode step touches no
 per-request Python object; only requests that changed cost Python work.
 
-A model with several KV cache groups (sliding-window / hybrid) keeps one block table per group
-(block_tables[g]); every group's table of a request has the same length, so one num_blocks
-count serves all of them, and each group gets its own slot mapping and block table per step.
+The rows' block ids live in a BlockTable (workers/runner/block_table.py), one table per KV
+cache group; each group gets its own slot mapping and block table per step.
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ import torch
 
 from protocol.codec import ProtocolError, unpack_np
 from protocol.messages import SamplingParams, SchedulerOutput
+from workers.runner.block_table import BlockTable, StateMismatchError
 from workers.runner.request_guard import admit_sampling
 from workers.sample.sampler import SamplingMetadata
 from workers.sample.spec_decode import DraftLayout, ragged_arange
 
-
-class StateMismatchError(RuntimeError):
-    """The diff does not fit this worker's state: computing on would be silently wrong."""
+__all__ = ["BatchInputs", "CachedRequestState", "InputBatch", "StateMismatchError"]
 
 
 def unpack_i32(data: bytes, what: str = "field") -> np.ndarray:
@@ -95,10 +93,8 @@ class InputBatch:
         self.num_tokens = np.zeros(m, dtype=np.int32)
         self.num_computed_tokens = np.zeros(m, dtype=np.int32)
         self.num_groups = num_groups
-        # one block table per KV cache group; block_table is group 0's
-        self.block_tables = np.zeros((num_groups, m, self.max_blocks_per_req), dtype=np.int32)
-        self.block_table = self.block_tables[0]
-        self.num_blocks = np.zeros(m, dtype=np.int32)
+        self.blocks = BlockTable(num_groups, m, self.max_blocks_per_req)
+        self.block_table = self.blocks.tables[0]  # group 0's, what most models have
         self.num_scheduled = np.zeros(m, dtype=np.int32)
         self.handles = np.full(m, -1, dtype=np.int32)
         self.temperature = np.ones(m, dtype=np.float32)
@@ -114,7 +110,7 @@ class InputBatch:
         self._draft_rows: np.ndarray | None = None  # rows with drafts this step
         self.num_seeded = 0  # rows with a per-request seed
         self._arrays = (
-            self.num_tokens, self.num_computed_tokens, self.num_blocks, self.num_scheduled,
+            self.num_tokens, self.num_computed_tokens, self.num_scheduled,
             self.handles, self.temperature, self.top_k, self.top_p, self.min_p,
             self.want_logprobs, self.seeded, self.seeds,
         )  # fmt: skip
@@ -125,9 +121,7 @@ class InputBatch:
         # handles whose sampling state could not be built this step -> reason (request_guard)
         self.failed: dict[int, str] = {}
         self._arange = np.arange(m + 1, dtype=np.int64)
-        self._flat_tokens = self.token_ids.reshape(-1)  # views, for np.take
-        self._flat_blocks = self.block_tables.reshape(-1)
-        self._group_stride = m * self.max_blocks_per_req  # group g's table starts at g * this
+        self._flat_tokens = self.token_ids.reshape(-1)  # a view, for np.take
 
     # ---------------------------------------------------------------- rows
 
@@ -155,7 +149,7 @@ class InputBatch:
         self.token_ids[row, n_prompt:n_tok] = st.output_token_ids
         self.num_tokens[row] = n_tok
         self.num_computed_tokens[row] = num_computed
-        self._set_blocks(row, block_ids, st.handle)
+        self.blocks.set_row(row, block_ids, st.handle)
         sp = st.sampling_params
         self.temperature[row] = sp.temperature
         self.top_k[row] = sp.top_k
@@ -200,27 +194,12 @@ class InputBatch:
     def _move_row(self, src: int, dst: int) -> None:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        self.block_tables[:, dst] = self.block_tables[:, src]
+        self.blocks.move_row(src, dst)
         for a in self._arrays:
             a[dst] = a[src]
         self.states[int(self.handles[dst])].row = dst
         self.handles[src] = -1
         self.seeded[src] = False
-
-    def _set_blocks(self, row: int, block_ids: np.ndarray, handle: int) -> None:
-        g = self.num_groups
-        if len(block_ids) % g:
-            raise StateMismatchError(
-                f"request {handle}: {len(block_ids)} block ids for {g} KV cache groups"
-            )
-        nb = len(block_ids) // g
-        if nb > self.max_blocks_per_req:
-            raise StateMismatchError(
-                f"request {handle}: {nb} blocks > max_blocks_per_req={self.max_blocks_per_req}"
-            )
-        self.block_tables[:, row, :nb] = block_ids.reshape(g, nb)
-        self.block_tables[:, row, nb:] = 0  # pad with the null block
-        self.num_blocks[row] = nb
 
     def token_ids_of(self, handle: int) -> list[int]:
         """All tokens (prompt + outputs) the worker holds for a request."""
@@ -307,27 +286,7 @@ class InputBatch:
         row_list = [self._running_row(h, "cached_reqs") for h in handles]
         if len(set(row_list)) != len(row_list):
             raise StateMismatchError("cached_reqs lists a handle twice")
-        rows = np.array(row_list, dtype=np.int64)
-        nb = self.num_blocks[rows]
-        if (nb + counts > self.max_blocks_per_req).any():
-            raise StateMismatchError("cached_reqs: block table overflow")
-        # One scatter for all appended ids: row r's new ids go to columns nb[r], nb[r] + 1, ...
-        if g > 1:
-            # handle i's ids are g runs of counts[i] (group 0's first)
-            per = counts * g
-            seg = np.repeat(np.arange(len(rows)), per)
-            k = np.arange(len(ids)) - np.repeat(np.cumsum(per) - per, per)
-            c = counts[seg]
-            flat = ((k // c) * self._group_stride + rows[seg] * self.max_blocks_per_req
-                    + nb[seg] + k % c)
-        elif (counts == 1).all():  # decode steady state: one new block each
-            flat = rows * self.max_blocks_per_req + nb
-        else:
-            cu = np.cumsum(counts, dtype=np.int64)
-            col = np.repeat(nb, counts) + np.arange(len(ids)) - np.repeat(cu - counts, counts)
-            flat = np.repeat(rows, counts) * self.max_blocks_per_req + col
-        self._flat_blocks[flat] = ids
-        self.num_blocks[rows] = nb + counts
+        self.blocks.append(np.array(row_list, dtype=np.int64), counts, ids)
 
     def _set_schedule(self, so: SchedulerOutput, fresh: list[tuple[CachedRequestState, int]]):
         self.num_scheduled[: self.num_rows] = 1  # default: one token for every running request
@@ -432,20 +391,20 @@ class InputBatch:
         if self._draft_rows is not None:  # drafts are computed on like tokens the row holds
             num_tokens = num_tokens + self.num_drafts[sel]
         # Never compute on tokens the worker does not hold or KV slots it was not given.
-        bad = (seq_lens > num_tokens) | (seq_lens > self.num_blocks[sel] * bs)
+        num_blocks = self.blocks.num_blocks
+        bad = (seq_lens > num_tokens) | (seq_lens > num_blocks[sel] * bs)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise StateMismatchError(
                 f"request {int(self.handles[rows[i]])}: scheduled up to {int(seq_lens[i])} "
                 f"tokens, holds {int(num_tokens[i])} tokens and "
-                f"{int(self.num_blocks[rows[i]])} blocks"
+                f"{int(num_blocks[rows[i]])} blocks"
             )
         # Flat indices into the 2-D buffers: np.take on 1-D beats 2-D fancy indexing.
         input_ids = self._flat_tokens.take(req * self.token_ids.shape[1] + positions)
-        block_idx = req * self.max_blocks_per_req + positions // bs
+        block_idx = self.blocks.block_index(req, positions, bs)
         offset = positions % bs
-        block_ids = self._flat_blocks.take(block_idx)
-        slot_mapping = block_ids * bs + offset
+        slot_mapping = self.blocks.block_ids(0, block_idx) * bs + offset
         max_seq_len = int(seq_lens.max()) if len(rows) else 0
         sampling = seq_lens >= num_tokens
         if sampling.all():
@@ -473,8 +432,8 @@ class InputBatch:
             max_seq_len=max_seq_len,
             drafts=drafts,
             other_groups=[
-                (self._flat_blocks.take(block_idx + g * self._group_stride) * bs + offset,
-                 self.block_tables[g][sel, : -(-max_seq_len // bs)])
+                (self.blocks.block_ids(g, block_idx) * bs + offset,
+                 self.blocks.tables[g][sel, : -(-max_seq_len // bs)])
                 for g in range(1, self.num_groups)
             ],
         )
