@@ -200,7 +200,9 @@ void masked_argmax_row(int64_t* idx, float* val, const float* row, const uint32_
     uint32_t allowed = bits[w];
     if (allowed == 0) continue;
     const int64_t base = w * 32;
-    if (first_allowed < 0) first_allowed = base + __builtin_ctz(allowed);
+    // (a bit past `cols` in the last word is padding, never a token)
+    if (first_allowed < 0 && base + __builtin_ctz(allowed) < cols)
+      first_allowed = base + __builtin_ctz(allowed);
     float cm = -INFINITY;
     if (allowed == 0xFFFFFFFFu && base + 32 <= cols) {
 #pragma omp simd reduction(max : cm)
