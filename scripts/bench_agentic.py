@@ -164,6 +164,7 @@ def drive(args: argparse.Namespace, jobs: list[Job], turn: Turns) -> dict[str, A
     answers: dict[str, list[list[int]]] = {}
     recomputed = [0]
     prompt_tokens = [0]
+    latency: tuple[list[float], list[float]] = ([], [])  # first turns, later turns
     lock = threading.Lock()
     errors: list[BaseException] = []
     start = time.perf_counter()
@@ -179,8 +180,10 @@ def drive(args: argparse.Namespace, jobs: list[Job], turn: Turns) -> dict[str, A
             for k in range(args.turns):
                 last = k == args.turns - 1
                 tool = None if last else job.tools[k][0]
+                sent = time.perf_counter()
                 answer, cached = turn(ctx, job.job_id, last, tool)
                 with lock:
+                    latency[k > 0].append(time.perf_counter() - sent)
                     recomputed[0] += len(ctx) - cached
                     prompt_tokens[0] += len(ctx)
                 outs.append(answer)
@@ -209,6 +212,9 @@ def drive(args: argparse.Namespace, jobs: list[Job], turn: Turns) -> dict[str, A
         "throughput_jobs_per_s": len(jobs) / total,
         "recomputed_tokens": float(recomputed[0]),
         "prefix_hit_rate": 1.0 - recomputed[0] / max(1, prompt_tokens[0]),
+        # where a job's time goes besides its tools: queueing behind other turns shows here
+        "first_turn_latency_s": statistics.mean(latency[0]),
+        "later_turn_latency_s": statistics.mean(latency[1]) if latency[1] else 0.0,
         "jct_per_job_s": vals,
         "answers": [answers[j.job_id] for j in jobs],
     }

@@ -431,11 +431,21 @@ class Scheduler:
                         break
                 if running and need + reserved > kvm.num_free_blocks:
                     break
+            cont = self.continuum
+            if cont is not None and running and len(cont.pins) and not gate:
+                # program-level FCFS over memory: admitted chunk by chunk, the prompt would
+                # take its later chunks' blocks from earlier jobs' pins (a running request's
+                # growth releases any pin before it preempts), so it waits until the whole
+                # prompt fits beside them
+                need = kvm.num_blocks_to_hold(req, req.num_tokens + 1, hits)
+                while need > kvm.num_free_blocks and cont.relieve(req, strict=True):
+                    pass
+                if need > kvm.num_free_blocks:
+                    break
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - num_hit)
             fits = kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore)
-            cont = self.continuum
             # pins of later jobs go back first; with nothing running, any pin (waiting for
             # them to expire would leave the engine idle)
             while fits is None and cont is not None and cont.relieve(req, strict=bool(running)):

@@ -134,6 +134,23 @@ def test_admission_does_not_take_pins_of_earlier_jobs_while_others_run() -> None
     assert stats(s)["continuum_pins"] == 1
 
 
+def test_a_later_prompt_waits_when_only_its_first_chunk_fits_beside_an_earlier_pin() -> None:
+    config = EngineConfig(debug_invariants=True, block_size=BS, scheduling_policy="continuum")
+    s, w = Scheduler(config, 12, 256, 8, None, clock=Clock()), FakeWorker(BS)
+    first_turn(s, w, "old", n=20)  # pins 5 blocks
+    s.add_request(turn("runner", [7] * 8, None, arrival=1.0, max_tokens=30))
+    step(s, w)
+    # an 8-token chunk would fit, the 24-token prompt would not: admitted in chunks, its
+    # growth would push the older job's pin out
+    s.add_request(turn("newcomer", list(range(200, 224)), "new", arrival=2.0))
+    for _ in range(3):
+        step(s, w)
+        assert "newcomer" in {r.request_id for r in s.waiting}
+    assert stats(s)["continuum_pins"] == 1
+    assert stats(s)["continuum_pressure_releases"] == 0
+    s.check_invariants()
+
+
 def test_program_level_fcfs_puts_an_older_jobs_turn_first() -> None:
     s = sched()
     s.add_request(turn("a-1", [1, 2, 3], "a", arrival=0.0))
