@@ -419,28 +419,24 @@ class Scheduler:
             # without chunking a prompt must fit whole (unless it could never fit)
             if not chunked and budget < n <= self.max_num_batched_tokens:
                 break
-            if gate:
-                # the blocks the running requests still need to reach their full length (only
-                # running requests hold block tables); alone it is admitted anyway: waiting
-                # would not make more room
-                reserved = self._full_blocks - kvm.num_held_blocks
-                need = kvm.num_blocks_to_hold(req, _full_len(req), hits)
-                cont = self.continuum
-                while running and need + reserved > kvm.num_free_blocks:
+            cont = self.continuum
+            if gate or (cont is not None and running and len(cont.pins)):
+                if gate:
+                    # on top of the blocks the running requests still need to reach their full
+                    # length (only running requests hold block tables)
+                    need = (kvm.num_blocks_to_hold(req, _full_len(req), hits)
+                            + self._full_blocks - kvm.num_held_blocks)
+                else:
+                    # program-level FCFS over memory: admitted chunk by chunk, the prompt would
+                    # take its later chunks' blocks from earlier jobs' pins (a running
+                    # request's growth releases any pin before it preempts), so it waits
+                    # until the whole prompt fits beside them
+                    need = kvm.num_blocks_to_hold(req, req.num_tokens + 1, hits)
+                # alone it is admitted anyway: waiting would not make more room
+                while running and need > kvm.num_free_blocks:
                     if cont is None or not cont.relieve(req, strict=True):
                         break
-                if running and need + reserved > kvm.num_free_blocks:
-                    break
-            cont = self.continuum
-            if cont is not None and running and len(cont.pins) and not gate:
-                # program-level FCFS over memory: admitted chunk by chunk, the prompt would
-                # take its later chunks' blocks from earlier jobs' pins (a running request's
-                # growth releases any pin before it preempts), so it waits until the whole
-                # prompt fits beside them
-                need = kvm.num_blocks_to_hold(req, req.num_tokens + 1, hits)
-                while need > kvm.num_free_blocks and cont.relieve(req, strict=True):
-                    pass
-                if need > kvm.num_free_blocks:
+                if running and need > kvm.num_free_blocks:
                     break
             if 0 < threshold < n:
                 n = threshold

@@ -27,10 +27,11 @@ class Clock:
         return self.now
 
 
-def sched(num_blocks: int = 32, clock: Clock | None = None, **cfg: Any) -> Scheduler:
+def sched(num_blocks: int = 32, clock: Clock | None = None, budget: int = 64,
+          **cfg: Any) -> Scheduler:
     config = EngineConfig(debug_invariants=True, block_size=BS, scheduling_policy="continuum",
                           **cfg)
-    return Scheduler(config, num_blocks, 256, 64, None, clock=clock or Clock())
+    return Scheduler(config, num_blocks, 256, budget, None, clock=clock or Clock())
 
 
 def turn(rid: str, prompt: list[int], job: str | None, arrival: float = 0.0, last: bool = False,
@@ -135,8 +136,7 @@ def test_admission_does_not_take_pins_of_earlier_jobs_while_others_run() -> None
 
 
 def test_a_later_prompt_waits_when_only_its_first_chunk_fits_beside_an_earlier_pin() -> None:
-    config = EngineConfig(debug_invariants=True, block_size=BS, scheduling_policy="continuum")
-    s, w = Scheduler(config, 12, 256, 8, None, clock=Clock()), FakeWorker(BS)
+    s, w = sched(num_blocks=12, budget=8), FakeWorker(BS)
     first_turn(s, w, "old", n=20)  # pins 5 blocks
     s.add_request(turn("runner", [7] * 8, None, arrival=1.0, max_tokens=30))
     step(s, w)
