@@ -22,8 +22,9 @@ from collections import deque
 import msgspec
 import zmq
 
+from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
-from engine_core.kv_offload.scheduling import make_offload_manager
+from engine_core.handshake import build_scheduler, collect_hellos
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
@@ -36,9 +37,8 @@ from engine_core.validation import (
     validate_sampling,
 )
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
-from protocol.codec import Encoder, ProtocolError, frontend_decoder, unpack
-from protocol.config import EngineConfig, default_max_batched_tokens
-from protocol.kv_cache_spec import kv_cache_groups
+from protocol.codec import Encoder, ProtocolError, unpack
+from protocol.config import EngineConfig
 from protocol.messages import (
     AbortRequests,
     AddJobRequest,
@@ -47,7 +47,6 @@ from protocol.messages import (
     EngineOutputs,
     EngineReady,
     EngineStats,
-    HealthPing,
     HealthReport,
     HealthRequest,
     ModelRunnerOutput,
@@ -58,14 +57,10 @@ from protocol.messages import (
     Shutdown,
     ShutdownEngine,
     WorkerError,
-    WorkerHello,
-    WorkerReady,
 )
-from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env
+from protocol.transport import Endpoints, recv_frame, secret_from_env
 
 logger = logging.getLogger("tandem.engine_core")
-
-STARTUP_TIMEOUT_S = float(os.environ.get("TANDEM_STARTUP_TIMEOUT", "600"))
 
 
 class EngineCore:
@@ -74,17 +69,10 @@ class EngineCore:
         self.world_size = world_size
         secret = secret_from_env()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        # Frontend sockets stay local (ipc or loopback).
-        self.req_sock = make_socket(
-            self.ctx, zmq.PULL, endpoints.requests, bind=True, secret=secret
-        )
-        self.out_sock = make_socket(
-            self.ctx, zmq.PUSH, endpoints.outputs, bind=True, secret=secret, linger_ms=1000
-        )
-        self.link = WorkerLink(self.ctx, endpoints, secret, config, world_size)
         self.encoder = Encoder()
-        self.frontend_dec = frontend_decoder(config.max_frame_bytes)
-        self.inflight: set[str] = set()
+        self.frontend = FrontendLink(self.ctx, endpoints, secret, config, self.encoder)
+        self.link = WorkerLink(self.ctx, endpoints, secret, config, world_size)
+        self.inflight = self.frontend.inflight  # request ids the frontend is owed an end for
         self.steps = 0
         self.timeline = StepTimeline()
         # published steps whose output has not arrived (at most one, two with async
@@ -100,94 +88,20 @@ class EngineCore:
     # ------------------------------------------------------------------ start-up
 
     def handshake(self) -> None:
-        """Wait for every rank's hello, then make sure every SUB socket receives broadcasts."""
-        hellos: dict[int, WorkerHello] = {}
-        ready: set[int] = set()
-        nonce = -1
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(hellos) < self.world_size:
-            # A rank that said hello is already listening and exits after CORE_SILENCE_S
-            # without a message: keep it fed while slower ranks still load. These are sync
-            # pings, so their answers also count for the sync below.
-            self.link.pub.send(self.encoder.encode(HealthPing(nonce)))
-            msg = self.link.recv(deadline)
-            if msg is None:
-                continue
-            if isinstance(msg, WorkerHello):
-                if msg.world_size != self.world_size:
-                    raise EngineFatal(
-                        f"rank {msg.rank} reports WORLD_SIZE={msg.world_size}, "
-                        f"the engine expects {self.world_size}"
-                    )
-                hellos[msg.rank] = msg
-            elif isinstance(msg, WorkerReady):
-                ready.add(msg.rank)
-            elif isinstance(msg, WorkerError):
-                raise EngineFatal(self.link.describe_error(msg))
-        # Slow joiners: PUB drops what a not-yet-connected SUB would have got, so publish sync
-        # pings until every rank has answered one.
-        while len(ready) < self.world_size:
-            self.link.pub.send(self.encoder.encode(HealthPing(nonce)))
-            frame = recv_frame(self.link.results, 20)
-            if time.monotonic() > deadline:
-                raise EngineFatal(f"only ranks {sorted(ready)} answered the start-up sync")
-            if frame is None:
-                continue
-            msg = self.link.decode(frame)
-            if isinstance(msg, WorkerReady):
-                ready.add(msg.rank)
-            elif isinstance(msg, WorkerError):
-                raise EngineFatal(self.link.describe_error(msg))
+        """Wait for every rank, build the Scheduler from what they report, tell the frontend."""
+        hellos = collect_hellos(self.link, self.encoder, self.world_size)
         # Ranks on this host, so a broken collective can be traced to the rank that died.
         here = socket.gethostname()
         self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
+        self.scheduler = build_scheduler(self.config, hellos)
         h0 = hellos[0]
-        self.num_blocks = min(h.num_blocks for h in hellos.values())
+        self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
         self.vocab_size = h0.vocab_size
-        self.max_model_len = min(h.max_model_len for h in hellos.values())
+        self.max_model_len = self.scheduler.max_model_len
         self.eos_token_id = h0.eos_token_id
         self.device = h0.device
         self.dtype = h0.dtype
-        budget = self.config.max_num_batched_tokens or (
-            default_max_batched_tokens("cuda" if h0.device.startswith("cuda") else "cpu")
-        )
-        # the model's KV cache groups, from the per-layer KV spec every rank reports
-        windows = {tuple(h.layer_windows) for h in hellos.values()}
-        if len(windows) != 1:
-            raise EngineFatal(f"ranks report different per-layer KV specs: {sorted(windows)}")
-        groups = kv_cache_groups(h0.layer_windows)
-        # the KV offload tiers: every rank holds its shard of the same slots, so the smallest
-        # rank's tier sizes bound them all
-        offload = None
-        if self.config.kv_offload_memory > 0:
-            offload = make_offload_manager(
-                min(h.num_host_blocks for h in hellos.values()),
-                min(h.num_disk_blocks for h in hellos.values()),
-                h0.kv_bytes_per_block,
-                len(groups),
-            )
-            if offload is None:
-                logger.warning("KV offload tiers off: %d KV cache groups (only models with one "
-                               "full-attention group are supported) or no host block fits",
-                               len(groups))
-        self.scheduler = Scheduler(
-            self.config,
-            self.num_blocks,
-            self.max_model_len,
-            budget,
-            eos_token_id=self.eos_token_id,
-            kv_cache_groups=groups,
-            offload=offload,
-        )
         self.link.last_seen = [time.monotonic()] * self.world_size
-        logger.info(
-            "engine ready: %d ranks on %s, %d KV blocks of %d tokens, KV cache groups %s",
-            self.world_size,
-            self.device,
-            self.num_blocks,
-            self.config.block_size,
-            [(g.kind, g.sliding_window, len(g.layer_ids)) for g in groups],
-        )
         self._send_frontend(
             EngineReady(
                 num_blocks=self.num_blocks,
@@ -276,7 +190,7 @@ class EngineCore:
         """Idle but for held grammars: wake on a frontend message or a rank's answer, so a
         compiled grammar is admitted at once rather than at the next ping."""
         poller = zmq.Poller()
-        poller.register(self.req_sock, zmq.POLLIN)
+        poller.register(self.frontend.req_sock, zmq.POLLIN)
         poller.register(self.link.results, zmq.POLLIN)
         poller.poll(timeout_ms)
         self._poll_frontend(0)
@@ -331,14 +245,12 @@ class EngineCore:
     # ------------------------------------------------------------------ frontend side
 
     def _poll_frontend(self, timeout_ms: int) -> None:
-        frame = recv_frame(self.req_sock, timeout_ms)
-        while frame is not None:
+        for frame in self.frontend.frames(timeout_ms):
             self._handle_frontend(frame)
-            frame = recv_frame(self.req_sock, 0)
 
     def _handle_frontend(self, frame: bytes) -> None:
         try:
-            msg = self.frontend_dec.decode(frame)
+            msg = self.frontend.decode(frame)
         except ProtocolError as e:
             # One bad frame must not bring the engine down: report it and go on.
             logger.warning("dropped a bad frontend frame: %s", e)
@@ -377,19 +289,7 @@ class EngineCore:
             return
         if msg.request_id in self.inflight:
             # Don't touch the first request: only the duplicate is refused.
-            self._send_frontend(
-                EngineOutputs(
-                    [
-                        RequestOutput(
-                            request_id=msg.request_id,
-                            new_token_ids=[],
-                            finish_reason="error",
-                            error=f"request id {msg.request_id!r} is already in flight",
-                        )
-                    ],
-                    time.time(),
-                )
-            )
+            self._reject(msg.request_id, f"request id {msg.request_id!r} is already in flight")
             return
         err = (
             validate_sampling(msg.sampling_params)
@@ -418,21 +318,13 @@ class EngineCore:
             self.scheduler.add_request(req)
 
     def _reject(self, request_id: str, reason: str) -> None:
-        out = RequestOutput(
-            request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
-        )
-        self._send_frontend(EngineOutputs([out], time.time()))
+        self.frontend.reject(request_id, reason)
 
     def _flush(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
-            return
-        for o in outputs:
-            if o.finish_reason is not None:
-                self.inflight.discard(o.request_id)
-        self._send_frontend(EngineOutputs(outputs, time.time()))
+        self.frontend.flush(outputs)
 
     def _send_frontend(self, msg: msgspec.Struct) -> None:
-        self.out_sock.send(self.encoder.encode(msg))
+        self.frontend.send(msg)
 
     def _health(self, nonce: int) -> HealthReport:
         now = time.monotonic()
@@ -472,9 +364,8 @@ class EngineCore:
             self.link.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:
             pass
-        self.req_sock.close(0)
         self.link.close()
-        self.out_sock.close(1000)
+        self.frontend.close()
 
 
 def main() -> int:
