@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.lora import LoRARequest
+
 # The KV budget per rank on CPU when kv_cache_memory is not given (on CUDA it is sized from the
 # device's memory, see workers/runner/memory_profile.py).
 CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
@@ -88,6 +90,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # gaps), and the cap on any TTL
     continuum_ttl: float | None = None
     continuum_max_ttl: float = 30.0
+    # LoRA adapters (protocol/lora.py): off unless enabled. max_loras device slots (adapters in
+    # one step), each max_lora_rank wide (None: the largest rank among lora_modules, else 16);
+    # max_cpu_loras adapters kept in host memory on each rank (None: max_loras);
+    # lora_modules registered at start-up (--lora-modules name=path)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
+    lora_modules: list[LoRARequest] = []
 
 
 def config_error(config: EngineConfig) -> str | None:
@@ -123,6 +134,25 @@ def config_error(config: EngineConfig) -> str | None:
         return "async_scheduling and speculative decoding cannot be combined yet"
     if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
+    return _lora_error(config)
+
+
+def _lora_error(config: EngineConfig) -> str | None:
+    """The LoRA options (the adapters themselves are checked when every rank reads them)."""
+    if not config.enable_lora:
+        if config.lora_modules:
+            return "lora_modules needs enable_lora (--enable-lora)"
+        return None
+    if config.max_loras < 1:
+        return f"max_loras must be >= 1, got {config.max_loras}"
+    if config.max_lora_rank is not None and config.max_lora_rank < 1:
+        return f"max_lora_rank must be >= 1, got {config.max_lora_rank}"
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        return (f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras "
+                f"({config.max_loras})")
+    names = [m.lora_name for m in config.lora_modules]
+    if len(set(names)) != len(names):
+        return f"lora_modules names an adapter twice: {sorted(names)}"
     return None
 
 

@@ -35,11 +35,14 @@ from __future__ import annotations
 import msgspec
 
 from protocol.kv_transfer import KVLoadResult, KVTransfers
+from protocol.lora import LoRARequest, LoRAStep
 from protocol.structured import StructuredOutputsParams
 
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
 # 3: grammars compiled before admission (PrepareGrammar / GrammarReady)
-PROTOCOL_VERSION = 3
+# 4: LoRA adapters (protocol/lora.py: LoRARequest on AddRequest, LoadLoRA / UnloadLoRA /
+#    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff)
+PROTOCOL_VERSION = 4
 
 
 class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -78,6 +81,8 @@ class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    # the LoRA adapter this request runs with; None (one nil byte) = the base model
+    lora: LoRARequest | None = None
 
 
 class AddJobRequest(AddRequest, tag=6, kw_only=True):
@@ -90,6 +95,19 @@ class AddJobRequest(AddRequest, tag=6, kw_only=True):
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=2):
     request_ids: list[str]
+
+
+class LoadLoRA(msgspec.Struct, array_like=True, tag=7):
+    """Register an adapter now (start-up ``--lora-modules``, the HTTP load endpoint); the
+    engine answers LoRAResult once every rank has read and checked it."""
+
+    lora: LoRARequest
+
+
+class UnloadLoRA(msgspec.Struct, array_like=True, tag=8):
+    """Forget an adapter by name; refused (LoRAResult.in_use) while requests use it."""
+
+    lora_name: str
 
 
 class HealthRequest(msgspec.Struct, array_like=True, tag=3):
@@ -112,6 +130,7 @@ class ProfileRequest(msgspec.Struct, array_like=True, tag=5):
 
 FrontendMessage = (
     AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest | AddJobRequest
+    | LoadLoRA | UnloadLoRA
 )
 
 
@@ -170,7 +189,19 @@ class EngineStats(msgspec.Struct, array_like=True, tag=15, kw_only=True):
     step_timeline: list[list[float]] = []
 
 
-EngineMessage = EngineOutputs | HealthReport | EngineDead | EngineReady | EngineStats
+class LoRAResult(msgspec.Struct, array_like=True, tag=16, kw_only=True):
+    """The answer to LoadLoRA / UnloadLoRA: error empty on success; ``in_use`` when an unload
+    was refused because requests still run with the adapter (HTTP 409, else 400/404)."""
+
+    lora_name: str
+    error: str = ""
+    in_use: bool = False
+    not_found: bool = False
+
+
+EngineMessage = (
+    EngineOutputs | HealthReport | EngineDead | EngineReady | EngineStats | LoRAResult
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +265,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=20, kw_only=True):
     # the KV offload tiers' copies of this step (protocol/kv_transfer.py), run before the
     # forward; None in a step without copies (and always without --kv-offload-memory)
     kv_transfers: KVTransfers | None = None
+    # LoRA slot operations and the adapters of this step's new requests (protocol/lora.py);
+    # None in a step with neither (and always without --enable-lora)
+    lora: LoRAStep | None = None
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag=21):
@@ -264,8 +298,23 @@ class PrepareGrammar(msgspec.Struct, array_like=True, tag=25):
     spec: StructuredOutputsParams
 
 
+class PrepareLoRA(msgspec.Struct, array_like=True, tag=26):
+    """Read and check an adapter now and keep this rank's slice in host memory, before any
+    request using it is admitted; every rank answers LoRAReady."""
+
+    lora: LoRARequest
+    content_hash: str
+
+
+class DropLoRA(msgspec.Struct, array_like=True, tag=27):
+    """The adapter was unloaded: forget its host copy (its slot was emptied by a LoRASlotOp)."""
+
+    lora_int_id: int
+
+
 WorkerBroadcast = (
     SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache | PrepareGrammar
+    | PrepareLoRA | DropLoRA
 )
 
 
@@ -349,6 +398,16 @@ class GrammarReady(msgspec.Struct, array_like=True, tag=35, kw_only=True):
     error: str = ""
 
 
+class LoRAReady(msgspec.Struct, array_like=True, tag=36, kw_only=True):
+    """A rank's answer to PrepareLoRA: read and checked (error empty), or why it was refused
+    (the message names the PEFT field or file)."""
+
+    rank: int
+    lora_int_id: int
+    error: str = ""
+
+
 WorkerMessage = (
     WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady | GrammarReady
+    | LoRAReady
 )

@@ -7,6 +7,7 @@ import msgspec
 from protocol import messages as m
 from protocol.codec import pack, pack_f32
 from protocol.kv_transfer import KVLoadResult, KVTransfers, pack_tags
+from protocol.lora import LoRARequest, LoRASlotOp, LoRAStep
 from protocol.structured import StructuredOutputsParams
 
 SP = m.SamplingParams(
@@ -22,6 +23,8 @@ SP = m.SamplingParams(
     logprobs=True,
 )
 
+LORA = LoRARequest("sql", 3, "/adapters/sql")
+
 # one instance of every message type, every field away from its default
 SAMPLES: list[msgspec.Struct] = [
     m.AddRequest(
@@ -31,7 +34,11 @@ SAMPLES: list[msgspec.Struct] = [
         priority=-3,
         cache_salt="salt",
         arrival_time=12.5,
+        lora=LORA,
     ),
+    m.LoadLoRA(lora=LORA),
+    m.UnloadLoRA(lora_name="sql"),
+    m.LoRAResult(lora_name="sql", error="in use", in_use=True, not_found=True),
     m.AddJobRequest(
         request_id="req-job-1",
         prompt_token_ids=pack([7, 8]),
@@ -111,12 +118,23 @@ SAMPLES: list[msgspec.Struct] = [
             host_to_disk_tags=pack_tags([2**63 + 5]),
             disk_to_host_tags=pack_tags([7]),
         ),
+        lora=LoRAStep(
+            ops=[
+                LoRASlotOp(slot=1, lora_int_id=3, lora_name="sql", lora_path="/a",
+                           content_hash="ab"),
+                LoRASlotOp(slot=0, lora_int_id=0),
+            ],
+            handles=pack([4]),
+            lora_int_ids=pack([3]),
+        ),
     ),
     m.Shutdown(reason="bye"),
     m.HealthPing(nonce=2**40),
     m.ProfileControl(enable=True, trace_dir="/t"),
     m.ResetPrefixCache(),
     m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+")),
+    m.PrepareLoRA(lora=LORA, content_hash="ab12"),
+    m.DropLoRA(lora_int_id=3),
     m.WorkerHello(
         rank=1,
         world_size=2,
@@ -150,4 +168,5 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthPong(rank=1, nonce=3, last_step_id=9),
     m.WorkerReady(rank=2, nonce=5),
     m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
+    m.LoRAReady(rank=1, lora_int_id=3, error="adapter_config.json: use_dora is not supported"),
 ]
