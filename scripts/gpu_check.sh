@@ -1,25 +1,56 @@
 #!/usr/bin/env bash
-# One command for a lent GPU (through the device tool, <= 8 minutes): install the carried
-# wheels, run the CUDA tests, the Triton tests on CUDA tensors, HF parity on CUDA, the compile
-# check and the benchmarks, then print one JSON summary as the last line.
-#   bash scripts/gpu_check.sh            (the device tool runs it from the repository root)
-# Carry the wheels the GPU image lacks in .whl/ first (see README, "GPU check").
+# The GPU check in one command, for any machine with a CUDA GPU: the CUDA e2e tests, the Triton
+# tests on CUDA tensors, HF parity on CUDA, the compile check and the benchmarks, then one JSON
+# summary as the last line of stdout (each step's full output is in $OUT/<name>.txt).
+#
+#   bash scripts/gpu_check.sh              run everything (about 8 minutes at most: every step
+#                                          has its own timeout)
+#   bash scripts/gpu_check.sh --dry-run    run nothing: print each command it would run on
+#                                          stderr and the summary's keys with placeholder values
+#
+# Needs: a CUDA build of torch with its triton, plus transformers, pytest, pytest-timeout,
+# hypothesis, pyzmq, msgspec and gguf (`pip install -e ".[test]"` with a CUDA torch installs
+# them all). A machine that cannot reach a package index can carry wheels in .whl/ (ignored by
+# git): every .whl there is installed with pip --no-deps --no-index before anything runs.
+# Environment: OUT, the folder for the per-step outputs (default /tmp/gpu_check); one GPU is
+# enough (CUDA_VISIBLE_DEVICES picks it as usual).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/gpu_check}
+DRY_RUN=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run]" >&2; exit 2;;
+esac
 mkdir -p "$OUT"
+say() { echo "+ ${TRITON_INTERPRET:+TRITON_INTERPRET=$TRITON_INTERPRET }$*" >&2; }  # dry run
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-deps --no-index .whl/*.whl > "$OUT/pip.txt" 2>&1 || true
+  if [ "$DRY_RUN" -eq 1 ]; then
+    say python -m pip install -q --no-deps --no-index .whl/*.whl
+  else
+    python -m pip install -q --no-deps --no-index .whl/*.whl > "$OUT/pip.txt" 2>&1 || true
+  fi
 fi
 status() { [ "$1" -eq 0 ] && echo pass || echo "fail($1)"; }
 run_tests() {  # name, timeout, pytest args...
   local name=$1 limit=$2; shift 2
+  if [ "$DRY_RUN" -eq 1 ]; then
+    say timeout "$limit" python -m pytest -q -x "$@"
+    echo "\"$name\": \"dry-run\""
+    return
+  fi
   timeout "$limit" python -m pytest -q -x "$@" > "$OUT/$name.txt" 2>&1
   echo "\"$name\": \"$(status $?)\""
 }
 bench() {  # name, script, args...: the JSON line of a benchmark, or null
   local name=$1 script=$2; shift 2
+  if [ "$DRY_RUN" -eq 1 ]; then
+    say timeout 120 python "scripts/$script" --json "$@"
+    echo "\"$name\": null"
+    return
+  fi
   timeout 120 python "scripts/$script" --json "$@" > "$OUT/$name.txt" 2>&1
   local last; last=$(tail -n 1 "$OUT/$name.txt")
   case "$last" in "{"*) echo "\"$name\": $last";; *) echo "\"$name\": null";; esac
@@ -38,7 +69,11 @@ done
 S=(--model dummy:smollm2-135m --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
 parts+=("$(bench smollm2_b1_graphs bench_latency.py "${S[@]}")")
 parts+=("$(bench smollm2_b1_eager bench_latency.py "${S[@]}" --enforce-eager)")
-head=$(python -c 'import json, torch, triton
+if [ "$DRY_RUN" -eq 1 ]; then
+  head='"device": "dry-run", "torch": null, "triton": null'
+else
+  head=$(python -c 'import json, torch, triton
 print(json.dumps({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
                   "torch": torch.__version__, "triton": triton.__version__})[1:-1])')
+fi
 IFS=,; echo "{$head, ${parts[*]}}"

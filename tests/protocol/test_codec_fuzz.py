@@ -46,25 +46,6 @@ VALID_FRAMES = [
 ]
 
 
-def _codec_leaks_unicode_errors() -> bool:
-    # msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8 in a str field;
-    # protocol/codec.py must map it to ProtocolError. Reported to the codec's owner; these
-    # tests turn strict by themselves once the codec catches it.
-    try:
-        frontend_decoder().decode(HEADER + b"\x92\x02\x91\xa1\x80")
-    except ProtocolError:
-        return False
-    except UnicodeDecodeError:
-        return True
-    return False
-
-
-UTF8_BUG = pytest.mark.xfail(
-    _codec_leaks_unicode_errors(),
-    reason="codec.Decoder lets msgspec's UnicodeDecodeError escape (invalid UTF-8 str)",
-    raises=UnicodeDecodeError,
-    strict=False,
-)
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -94,21 +75,18 @@ def _touch_packed(msg: msgspec.Struct) -> None:
                     _touch_packed(item)
 
 
-@UTF8_BUG
 @FUZZ
 @given(st.binary(max_size=512))
 def test_random_bytes(data: bytes) -> None:
     _decode_everywhere(data)
 
 
-@UTF8_BUG
 @FUZZ
 @given(st.binary(max_size=512))
 def test_random_body_behind_a_valid_header(body: bytes) -> None:
     _decode_everywhere(HEADER + body)
 
 
-@UTF8_BUG
 @FUZZ
 @given(
     st.sampled_from(VALID_FRAMES),
@@ -130,7 +108,6 @@ def test_truncated_frames(frame: bytes, data: st.DataObject) -> None:
             dec.decode(frame[:cut])
 
 
-@UTF8_BUG
 @FUZZ
 @given(st.sampled_from(VALID_FRAMES), st.integers(0, 255), st.binary(min_size=1, max_size=64))
 def test_inserted_and_appended_bytes(frame: bytes, pos: int, extra: bytes) -> None:
@@ -198,7 +175,6 @@ def test_hostile_bodies(body: bytes) -> None:
             dec.decode(HEADER + body)
 
 
-@UTF8_BUG
 @pytest.mark.parametrize("body", [b"\x92\x02\x91\xa1\x80", b"\x92\x02\x91\xa2\xff\xfe"])
 def test_invalid_utf8_is_a_protocol_error(body: bytes) -> None:
     with pytest.raises(ProtocolError):

@@ -12,19 +12,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from engine_core.request import Request, RequestStatus
+from engine_core.sched.scheduler import Scheduler
 from protocol.codec import Encoder, broadcast_decoder, worker_decoder
 from protocol.config import EngineConfig
 from protocol.messages import SamplingParams, SchedulerOutput
-
-scheduler_mod = pytest.importorskip("engine_core.sched.scheduler")
-request_mod = pytest.importorskip("engine_core.request")
-Scheduler = scheduler_mod.Scheduler
-Request = request_mod.Request
-RequestStatus = request_mod.RequestStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_model import WorkerModel  # noqa: E402

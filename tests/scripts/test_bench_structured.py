@@ -26,6 +26,12 @@ def test_bench_structured_reports(tmp_path) -> None:
     finally:
         assert wait_no_descendants(10) == []
     for b in (1, 4):
-        assert res[f"step_ms_plain_b{b}"] > 0 and res[f"step_ms_json_b{b}"] > 0
+        plain, constrained = res[f"step_ms_plain_b{b}"], res[f"step_ms_json_b{b}"]
+        assert res[f"overhead_b{b}"] == pytest.approx(constrained / plain - 1.0)
+        # worker-side matchers: the steady decode diff carries no bitmask
         assert res[f"decode_diff_bytes_b{b}"] < res[f"decode_diff_bytes_scheduler_side_b{b}"]
-    assert res["compile_cold_ms"] > 0 and res["compile_cached_ms"] >= 0
+    # a constraint costs bytes only when its request arrives
+    assert res["new_request_bytes_constrained_b1"] > res["new_request_bytes_plain_b1"]
+    # compile times are reported, not bounded (timings are the benchmark's to report)
+    for key in ("compile_cold_ms", "compile_cold_table_built_ms", "compile_cached_ms"):
+        assert isinstance(res[key], float), key

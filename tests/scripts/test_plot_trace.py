@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine_core"))
 
 from fake_worker import FakeWorker, make_request, make_scheduler, run_to_completion  # noqa: E402
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("matplotlib") is None,
-    reason='matplotlib is not installed (pip install -e ".[plot]")',
-)
 
 
 def test_plot_trace_writes_a_png(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import select
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -126,10 +128,31 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: Server) -> None:
 
 
 def test_disconnect_non_streaming_aborts(server: Server) -> None:
+    """The test decides when the client leaves: it sends a non-streaming request on its own
+    socket, waits until the engine reports it running, and closes the socket. Nothing here
+    races the generation's speed: a 1,000-token request takes a thousand engine steps, and
+    the close follows the scrape that saw it running within one /metrics round trip."""
     wait_idle(server)
-    gone_before = metric(scrape(server), "tandem:request_aborted_by_client_total")
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the server generates
-        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.3)
+    before = scrape(server)
+    gone_before = metric(before, "tandem:request_aborted_by_client_total")
+    body = json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 60
+        while metric(scrape(server), "tandem:num_requests_running") != 1.0:
+            assert time.monotonic() < deadline, "the request never started running"
+            time.sleep(0.01)
+        readable, _, _ = select.select([sock], [], [], 0)
+        assert not readable, "the server answered before the client left"
+    # the socket is closed: the server must abort the request and free its KV blocks
     wait_idle(server)
     assert metric(scrape(server), "tandem:request_aborted_by_client_total") == gone_before + 1
+    # and it keeps serving
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                   json={"prompt": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) == MAX_TOKENS

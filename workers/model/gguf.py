@@ -39,7 +39,17 @@ def _field(reader: GGUFReader, key: str, default=None):
 def _config_from_reader(reader: GGUFReader, tensor_names: set[str]) -> ModelConfig:
     arch = _field(reader, "general.architecture", "llama")
     if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported: only dense 'llama' GGUF files load "
+            f"(such as SmolLM2's); load {arch} from a Hugging Face directory (config.json + "
+            f"*.safetensors)")
+    experts = int(_field(reader, "llama.expert_count", 0) or 0)
+    if experts:
+        # llama.cpp stores Mixtral as 'llama' with expert tensors this loader does not map
+        raise ValueError(
+            f"GGUF architecture 'llama' with {experts} experts (mixture of experts, e.g. "
+            f"Mixtral) is not supported: only dense 'llama' GGUF files load; load it from a "
+            f"Hugging Face directory (config.json + *.safetensors)")
     heads = int(_field(reader, "llama.attention.head_count"))
     hidden = int(_field(reader, "llama.embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")

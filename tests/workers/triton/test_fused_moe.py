@@ -119,6 +119,10 @@ def test_compile_variants_cover_both_gemms_and_every_config() -> None:
                                                                          (False, True)}
 
 
+# What triton.compiler.make_backend raises when no installed backend supports the target.
+NO_CUDA_BACKEND = "RuntimeError: 0 compatible backends for target (cuda)"
+
+
 def test_every_variant_compiles_for_sm90_ahead_of_time() -> None:
     """No GPU needed: Triton lowers to a cubin for the target (ptxas ships with triton). Run in
     a child without TRITON_INTERPRET, which this test session sets and which wraps kernels."""
@@ -136,6 +140,9 @@ def test_every_variant_compiles_for_sm90_ahead_of_time() -> None:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=240, cwd=ROOT)
-    if proc.returncode and "backend" in proc.stderr.lower() and "cuda" in proc.stderr.lower():
-        pytest.skip(f"no CUDA compiler backend in this triton: {proc.stderr[-300:]}")
+    # The one condition that is not a failure of ours: a triton built without its NVIDIA
+    # backend, where make_backend finds no compiler for the target. Any other error (a real
+    # sm_90 compile failure included) fails the test.
+    if proc.returncode and NO_CUDA_BACKEND in proc.stderr:
+        pytest.skip(f"this triton has no CUDA backend: {NO_CUDA_BACKEND}")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-2000:]
