@@ -25,6 +25,7 @@ import zmq
 from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
 from engine_core.handshake import build_scheduler, collect_hellos
+from engine_core.kv_connector.engine_side import KVConnectorEngine, attach_connector
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
@@ -84,6 +85,10 @@ class EngineCore:
         self.shutdown_requested = False
         # constrained requests waiting for every rank's compiled grammar before admission
         self.grammars = GrammarGate(world_size)
+        # disaggregated prefill / decode: the lease port and links to other engine cores
+        self.kv: KVConnectorEngine | None = None
+        if config.kv_transfer_config is not None:
+            self.kv = KVConnectorEngine(self.ctx, config.kv_transfer_config, secret)
 
     # ------------------------------------------------------------------ start-up
 
@@ -94,6 +99,8 @@ class EngineCore:
         here = socket.gethostname()
         self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         self.scheduler = build_scheduler(self.config, hellos)
+        if self.kv is not None:
+            attach_connector(self.kv, self.scheduler, hellos)
         h0 = hellos[0]
         self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
         self.vocab_size = h0.vocab_size
@@ -121,13 +128,15 @@ class EngineCore:
             busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
             if busy:
                 self._poll_frontend(0)
-            elif self.grammars:
+            elif self.grammars or self.kv is not None:
                 self._wait_frontend_or_workers(int(PING_INTERVAL_S * 1000))
             else:
                 self._poll_frontend(int(PING_INTERVAL_S * 1000))
             if not self.in_flight:
                 self.link.drain()  # idle: the workers' pongs must still count
             self._settle_grammars()
+            if self.kv is not None:  # the ranks' reports, lease messages, deadlines
+                self.kv.settle(self.scheduler, self.link.kv_reports)
             self.link.maybe_ping()
             self.link.check_alive()
             if self.shutdown_requested:
@@ -184,7 +193,10 @@ class EngineCore:
                 timeout_ms = 2
             else:
                 timeout_ms = int(PING_INTERVAL_S * 1000)
-            self._poll_frontend(timeout_ms)
+            if self.kv is not None:  # a rank's report or a lease message may unblock it
+                self._wait_frontend_or_workers(timeout_ms)
+            else:
+                self._poll_frontend(timeout_ms)
 
     def _wait_frontend_or_workers(self, timeout_ms: int) -> None:
         """Idle but for held grammars: wake on a frontend message or a rank's answer, so a
@@ -192,6 +204,8 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.frontend.req_sock, zmq.POLLIN)
         poller.register(self.link.results, zmq.POLLIN)
+        for sock in self.kv.sockets if self.kv is not None else ():
+            poller.register(sock, zmq.POLLIN)
         poller.poll(timeout_ms)
         self._poll_frontend(0)
 
@@ -292,7 +306,9 @@ class EngineCore:
             self._reject(msg.request_id, f"request id {msg.request_id!r} is already in flight")
             return
         err = (
-            validate_sampling(msg.sampling_params)
+            (self.kv is None and msg.kv_transfer_params is not None
+             and "kv_transfer_params needs an engine started with --kv-transfer-config")
+            or validate_sampling(msg.sampling_params)
             or validate_priority(msg.priority)
             or validate_job(job)
             or validate_prompt(prompt, self.vocab_size)
@@ -309,6 +325,7 @@ class EngineCore:
             msg.arrival_time or time.time(),
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            kv_transfer_params=msg.kv_transfer_params,
             **job_fields(job),
         )
         if msg.sampling_params.structured_outputs is not None:
@@ -366,6 +383,8 @@ class EngineCore:
             pass
         self.link.close()
         self.frontend.close()
+        if self.kv is not None:
+            self.kv.close()
 
 
 def main() -> int:

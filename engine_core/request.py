@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.codec import pack
+from protocol.kv_connector import KVTransferParams
 from protocol.messages import SamplingParams
 
 # Hash of one full block; bytes (sha256) or int (fast), see kv_cache_hashing.
@@ -21,14 +22,17 @@ BlockHash = Any
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # its KV is being pulled from a prefill engine: set aside by the KV connector
+    # (engine_core/kv_connector/), out of the waiting queue, holding its blocks
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # everything from here on is finished
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
+    FINISHED_ERROR = 8
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -83,6 +87,8 @@ class Request:
         "job_id",
         "is_last_step",
         "tool_name",
+        "kv_transfer_params",
+        "num_external_computed_tokens",
     )
 
     def __init__(
@@ -97,8 +103,14 @@ class Request:
         job_id: str | None = None,
         is_last_step: bool = False,
         tool_name: str | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
+        # P/D (engine_core/kv_connector/): a prefill to hand over, or KV to pull; None: neither
+        self.kv_transfer_params = kv_transfer_params
+        # prompt tokens whose KV a prefill engine sent and this request's blocks now hold
+        # (local prefix hit included): admission counts them as computed, then resets it
+        self.num_external_computed_tokens = 0
         # the agent program this request is a turn of (continuum policy); None: no job
         self.job_id = job_id
         self.is_last_step = is_last_step

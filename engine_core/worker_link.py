@@ -14,6 +14,7 @@ import zmq
 
 from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
+from protocol.kv_connector import KVConnectorReport
 from protocol.liveness import process_running
 from protocol.messages import GrammarReady, HealthPing, WorkerError
 from protocol.transport import Endpoints, make_socket, recv_frame
@@ -51,6 +52,8 @@ class WorkerLink:
         # the ranks' answers to PrepareGrammar, whichever read found them (mid-step or idle);
         # the core settles them between steps (engine_core.grammar_gate)
         self.grammar_replies: list[GrammarReady] = []
+        # the ranks' KV connector reports, likewise (engine_core/kv_connector/engine_side.py)
+        self.kv_reports: list[KVConnectorReport] = []
 
     def close(self) -> None:
         self.pub.close(0)
@@ -75,6 +78,8 @@ class WorkerLink:
             self.last_seen[rank] = time.monotonic()
         if isinstance(msg, GrammarReady):
             self.grammar_replies.append(msg)
+        elif isinstance(msg, KVConnectorReport):
+            self.kv_reports.append(msg)
         return msg
 
     def drain(self) -> None:

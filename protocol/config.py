@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.kv_connector import KVTransferConfig, kv_transfer_config_error
 from protocol.lora import LoRARequest
 
 # The KV budget per rank on CPU when kv_cache_memory is not given (on CUDA it is sized from the
@@ -99,6 +100,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
     lora_modules: list[LoRARequest] = []
+    # disaggregated prefill / decode (protocol/kv_connector.py, --kv-transfer-config); None = off
+    kv_transfer_config: KVTransferConfig | None = None
 
 
 def config_error(config: EngineConfig) -> str | None:
@@ -134,6 +137,10 @@ def config_error(config: EngineConfig) -> str | None:
         return "async_scheduling and speculative decoding cannot be combined yet"
     if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
+    if config.kv_transfer_config is not None:
+        err = kv_transfer_config_error(config.kv_transfer_config)
+        if err is not None:
+            return err
     return _lora_error(config)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.kv_connector import KVConnectorMetadata, KVConnectorReport, KVTransferParams
 from protocol.kv_transfer import KVLoadResult, KVTransfers
 from protocol.lora import LoRARequest, LoRAStep
 from protocol.structured import StructuredOutputsParams
@@ -42,7 +43,10 @@ from protocol.structured import StructuredOutputsParams
 # 3: grammars compiled before admission (PrepareGrammar / GrammarReady)
 # 4: LoRA adapters (protocol/lora.py: LoRARequest on AddRequest, LoadLoRA / UnloadLoRA /
 #    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff)
-PROTOCOL_VERSION = 4
+# 5: disaggregated prefill / decode (protocol/kv_connector.py: kv_transfer_params on AddRequest
+#    and RequestOutput, the connector's ops in the step diff, KVConnectorReport, the ranks'
+#    block-server ports in the hello)
+PROTOCOL_VERSION = 5
 
 
 class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -83,6 +87,8 @@ class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     arrival_time: float = 0.0
     # the LoRA adapter this request runs with; None (one nil byte) = the base model
     lora: LoRARequest | None = None
+    # disaggregated prefill / decode (protocol/kv_connector.py); None (one nil byte) = neither
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AddJobRequest(AddRequest, tag=6, kw_only=True):
@@ -146,7 +152,11 @@ class RequestOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # set when finish_reason == "error" (also for rejected input)
     new_logprobs: list[float] | None = None
-    num_cached_tokens: int = 0  # prefix-cache hit on admission
+    # prompt tokens this engine did not compute: prefix-cache hits and KV pulled from a
+    # prefill engine
+    num_cached_tokens: int = 0
+    # a prefill request's last output: where its KV waits for the decode engine
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, tag=11):
@@ -268,6 +278,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=20, kw_only=True):
     # LoRA slot operations and the adapters of this step's new requests (protocol/lora.py);
     # None in a step with neither (and always without --enable-lora)
     lora: LoRAStep | None = None
+    # the KV connector's loads, cancels and served leases of this step (P/D); None in a step
+    # without any (and always without --kv-transfer-config)
+    kv_connector: KVConnectorMetadata | None = None
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag=21):
@@ -345,6 +358,7 @@ class WorkerHello(msgspec.Struct, array_like=True, tag=30, kw_only=True):
     num_disk_blocks: int = 0
     kv_bytes_per_block: int = 0  # this rank's bytes of one block in the host tier
     dtype: str = ""  # the model dtype this rank runs in (EngineConfig.dtype "auto" resolved)
+    kv_connector_port: int = 0  # this rank's KV block server (P/D), 0 = none
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
@@ -409,5 +423,5 @@ class LoRAReady(msgspec.Struct, array_like=True, tag=36, kw_only=True):
 
 WorkerMessage = (
     WorkerHello | ModelRunnerOutput | WorkerError | HealthPong | WorkerReady | GrammarReady
-    | LoRAReady
+    | LoRAReady | KVConnectorReport
 )

@@ -127,6 +127,7 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_restored_blocks: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Room for ``num_new_tokens`` (+ lookahead) after the computed ones.
 
@@ -140,6 +141,10 @@ class KVCacheManager:
         from the host tier (reserved by the caller: KVOffloadManager.reserve_restore); they
         are counted in ``num_new_computed_tokens`` and get the first new blocks, which this
         step's copies fill before the forward reads them.
+
+        ``delay_cache_blocks``: the new tokens' KV arrives later (pulled from a prefill
+        engine), so nothing enters the prefix cache now; the allocation that follows the load
+        registers the blocks, once they hold what their hashes name.
         """
         rid = request.request_id
         managers = self.managers
@@ -200,7 +205,7 @@ class KVCacheManager:
                             request.block_hashes[first : first + num_restored_blocks],
                             [b.block_id for b in new_blocks[:num_restored_blocks]])
         limit = len(blocks) * bs
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_full = (end if end < request.num_tokens else request.num_tokens) // bs
             num_cached = self.num_cached_block.get(rid, 0)
             if num_full > num_cached:
@@ -267,10 +272,25 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail first, so its shared prefix is evicted last."""
-        rid = request.request_id
-        for m in self.managers:
-            self.num_held_blocks -= m.free(rid)
+        self.free_table(request.request_id)
         request.kv_fast_limit = 0
+
+    def free_table(self, key: str) -> None:
+        """Release the table held under ``key`` (a request id, or a key given by rekey)."""
+        for m in self.managers:
+            self.num_held_blocks -= m.free(key)
+
+    def rekey(self, old: str, new: str) -> None:
+        """Hold ``old``'s table under ``new``: the blocks of a finished request that must
+        outlive it (a prefill's blocks under a lease, a load still writing them), while its
+        id may be used again."""
+        for m in self.managers:
+            if new in m.req_to_blocks:
+                raise ValueError(f"a block table is already held under {new!r}")
+            if old in m.req_to_blocks:
+                m.req_to_blocks[new] = m.req_to_blocks.pop(old)
+            if old in m.num_cached_block:
+                m.num_cached_block[new] = m.num_cached_block.pop(old)
 
     def get_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Group 0's table."""

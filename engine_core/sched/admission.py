@@ -15,7 +15,9 @@ from protocol.codec import pack
 from protocol.messages import NewRequestData, ResumedRequestData
 
 if TYPE_CHECKING:
+    from engine_core.kv_cache.coordinator import KVCacheBlocks
     from engine_core.kv_cache.manager import KVCacheManager
+    from engine_core.kv_connector.scheduler_side import KVConnectorScheduler
     from engine_core.kv_offload.scheduling import OffloadScheduling
     from engine_core.sched.continuum.policy import Continuum
     from engine_core.sched.request_queue import WaitingQueue
@@ -37,6 +39,7 @@ class Admission:
     by_handle: dict[int, Request]
     kv_cache_manager: KVCacheManager
     kv_offload: OffloadScheduling | None
+    kv_connector: KVConnectorScheduler | None
     continuum: Continuum | None
     block_size: int
     max_model_len: int
@@ -74,7 +77,21 @@ class Admission:
         gate = self.reserve_full_isl
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek_request()
-            hits, num_hit = kvm.get_computed_blocks(req)
+            if req.num_external_computed_tokens:  # KV a prefill engine sent: in its blocks
+                hits: KVCacheBlocks = []
+                num_hit = req.num_external_computed_tokens
+            else:
+                hits, num_hit = kvm.get_computed_blocks(req)
+                conn = self.kv_connector
+                if conn is not None and req.kv_transfer_params is not None:
+                    num_ext, load_async = conn.get_num_new_matched_tokens(req, num_hit)
+                    if load_async:  # set aside while the KV arrives: it blocks nobody
+                        if kvm.allocate_slots(req, num_ext, num_hit, hits,
+                                              delay_cache_blocks=True) is None:
+                            break
+                        waiting.pop_request()
+                        conn.update_state_after_alloc(req, num_hit, num_ext)
+                        continue
             restore = 0
             if self.kv_offload is not None:
                 # blocks after the device hit that come back from the host tier
@@ -126,6 +143,7 @@ class Admission:
             running.append(req)
             req.status = RUNNING
             req.num_computed_tokens = num_hit
+            req.num_external_computed_tokens = 0
             block_ids = pack(kvm.get_block_ids(req))
             if req.handle is None:
                 req.num_cached_tokens = num_hit

@@ -7,7 +7,7 @@ walk everything (O(blocks + requests)), so they are for debugging, not productio
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
@@ -51,7 +51,10 @@ def check_scheduler_queues(
     req_to_blocks: dict[str, list[KVCacheBlock]],
     block_size: int,
     max_num_seqs: int,
+    exempt: Collection[str] = (),
 ) -> None:
+    """``exempt``: tables held outside the running set by the KV connector (prefill leases,
+    loads in flight, requests set aside while their KV arrives)."""
     assert len(running) <= max_num_seqs, f"{len(running)} running > max_num_seqs {max_num_seqs}"
     handles = [r.handle for r in running]
     assert None not in handles, "a running request has no handle"
@@ -64,9 +67,12 @@ def check_scheduler_queues(
     waiting_ids = set()
     for r in waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} in waiting"
-        assert r.request_id not in req_to_blocks, f"waiting {r} holds blocks"
+        if not r.num_external_computed_tokens:  # else its blocks hold KV a prefill engine sent
+            assert r.request_id not in req_to_blocks, f"waiting {r} holds blocks"
         assert r.num_computed_tokens == 0
         waiting_ids.add(r.request_id)
     running_ids = {r.request_id for r in running}
     assert not (running_ids & waiting_ids), "a request is both running and waiting"
-    assert set(req_to_blocks) <= running_ids, "a request that is not running holds blocks"
+    loaded = {r for r in waiting_ids if r in req_to_blocks}
+    assert set(req_to_blocks) <= running_ids | loaded | set(exempt), (
+        "a request that is not running holds blocks")

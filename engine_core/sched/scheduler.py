@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_connector.scheduler_side import KVConnectorScheduler
+from engine_core.kv_connector.scheduling import requeue_settled
 from engine_core.kv_offload import KVOffloadManager
 from engine_core.kv_offload.scheduling import OffloadScheduling
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
@@ -84,6 +86,9 @@ class Scheduler(RunningPass, Admission):
         self.kv_offload: OffloadScheduling | None = None
         if offload is not None:
             self.kv_offload = OffloadScheduling(offload, self.kv_cache_manager)
+        # disaggregated prefill / decode (kv_connector/); set by the engine core's start-up
+        # with the ranks' addresses, None without --kv-transfer-config
+        self.kv_connector: KVConnectorScheduler | None = None
         # the continuum policy's pins and job table (continuum/policy.py); None otherwise
         self.continuum: Continuum | None = None
         if self.policy == "continuum":
@@ -137,6 +142,8 @@ class Scheduler(RunningPass, Admission):
         if request.eos_token_id is None and self.eos_token_id is not None:
             request.set_eos_token_id(self.eos_token_id)
         reason = self._refusal_reason(request)
+        if reason is None and self.kv_connector is not None:
+            reason = self.kv_connector.on_add(request)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
             request.error = reason
@@ -207,6 +214,8 @@ class Scheduler(RunningPass, Admission):
             self.trace.on_finish(req, FINISH_REASONS[status])
         if self.continuum is not None:  # may pin the blocks before they are freed
             self.continuum.on_finish(req, status)
+        if self.kv_connector is not None:  # may keep the blocks (a lease, a load under way)
+            self.kv_connector.request_finished(req, status)
         self.kv_cache_manager.free(req)
         if self.kv_offload is not None:
             self.kv_offload.forget(req.request_id)
@@ -220,6 +229,8 @@ class Scheduler(RunningPass, Admission):
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        if self.kv_connector is not None and self.kv_connector.has_ops():
+            return True  # connector operations (or settled loads) wait for a step
         return bool(self.running) or bool(self.waiting)
 
     # ------------------------------------------------------------------ one step
@@ -230,6 +241,8 @@ class Scheduler(RunningPass, Admission):
         if self.continuum is not None:  # before any allocation: expired pins go back
             self.continuum.tick()
             self.continuum.expire()
+        if self.kv_connector is not None:  # settled loads rejoin the queue first
+            requeue_settled(self.waiting, self.finish_requests, self.kv_connector)
         budget = self._schedule_running(diff, budget)
         if not diff.preempted:
             self._schedule_waiting(diff, budget)
@@ -243,6 +256,8 @@ class Scheduler(RunningPass, Admission):
         if self.kv_offload is not None:
             # once per step, after every allocation and preemption of it
             so.kv_transfers = self.kv_offload.take_transfers()
+        if self.kv_connector is not None:
+            so.kv_connector = self.kv_connector.build_connector_meta()
         if self.trace is not None:
             self.trace.on_schedule(self, diff, step_id)
         return so
@@ -253,7 +268,10 @@ class Scheduler(RunningPass, Admission):
         """Append the step's sampled tokens, check stops, free finished requests."""
         if self.continuum is not None:
             self.continuum.tick()
-        return update.update_from_output(self, scheduler_output, model_output)
+        outputs = update.update_from_output(self, scheduler_output, model_output)
+        if self.kv_connector is not None:  # finished prefills say where their KV waits
+            self.kv_connector.attach_params(outputs)
+        return outputs
 
     # ------------------------------------------------------------------ introspection
 
@@ -278,6 +296,7 @@ class Scheduler(RunningPass, Admission):
             + self.num_accepted_tokens / max(1, self.num_spec_verifications),
             **(self.kv_offload.stats() if self.kv_offload is not None else {}),
             **(self.continuum.stats() if self.continuum is not None else {}),
+            **(self.kv_connector.stats_dict() if self.kv_connector is not None else {}),
         }
 
     def close(self) -> None:
@@ -285,6 +304,8 @@ class Scheduler(RunningPass, Admission):
         pins give their blocks back."""
         if self.continuum is not None:
             self.continuum.release_all()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self.trace is not None:
             self.trace.close()
             self.trace = None
@@ -296,7 +317,8 @@ class Scheduler(RunningPass, Admission):
         if self.kv_offload is not None:
             self.kv_offload.offload.check_invariants()
         check_scheduler_queues(
-            self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs
+            self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs,
+            self.kv_connector.exempt_ids() if self.kv_connector is not None else (),
         )
         for r in self.running:
             assert self.by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]

@@ -19,8 +19,9 @@ def _add(job: JobInfo | None) -> AddRequest:
 def test_no_job_costs_no_bytes_and_a_job_round_trips() -> None:
     enc = Encoder()
     plain = enc.encode(_add(None))
-    # the tag and the seven fields of a request (no adapter: a nil): nothing for the job
-    assert len(msgspec.msgpack.decode(msgspec.msgpack.encode(_add(None)))) == 8
+    # the tag and the eight fields of a request (no adapter, no kv_transfer_params: nils):
+    # nothing for the job
+    assert len(msgspec.msgpack.decode(msgspec.msgpack.encode(_add(None)))) == 9
     with_job = enc.encode(_add(JobInfo(job_id="j", tool_name="ls")))
     assert len(with_job) > len(plain)
     dec = frontend_decoder()

@@ -6,6 +6,13 @@ import msgspec
 
 from protocol import messages as m
 from protocol.codec import pack, pack_f32
+from protocol.kv_connector import (
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVExposeOp,
+    KVLoadOp,
+    KVTransferParams,
+)
 from protocol.kv_transfer import KVLoadResult, KVTransfers, pack_tags
 from protocol.lora import LoRARequest, LoRASlotOp, LoRAStep
 from protocol.structured import StructuredOutputsParams
@@ -25,6 +32,13 @@ SP = m.SamplingParams(
 
 LORA = LoRARequest("sql", 3, "/adapters/sql")
 
+KV_PARAMS = KVTransferParams(
+    do_remote_decode=True, do_remote_prefill=True, remote_engine_id="p0",
+    remote_block_ids=[3, 4], remote_host="10.0.0.2", remote_port=5000,
+    remote_rank_ports=[5001, 5002], tp_size=2, remote_request_id="r#1", remote_num_tokens=20,
+    remote_lease_s=30.0,
+)
+
 # one instance of every message type, every field away from its default
 SAMPLES: list[msgspec.Struct] = [
     m.AddRequest(
@@ -35,6 +49,7 @@ SAMPLES: list[msgspec.Struct] = [
         cache_salt="salt",
         arrival_time=12.5,
         lora=LORA,
+        kv_transfer_params=KV_PARAMS,
     ),
     m.LoadLoRA(lora=LORA),
     m.UnloadLoRA(lora_name="sql"),
@@ -57,6 +72,7 @@ SAMPLES: list[msgspec.Struct] = [
         error="boom",
         new_logprobs=[-0.5, -1.25],
         num_cached_tokens=32,
+        kv_transfer_params=KV_PARAMS,
     ),
     m.EngineOutputs(
         outputs=[m.RequestOutput(request_id="x", new_token_ids=[1], finish_reason="stop")],
@@ -127,6 +143,14 @@ SAMPLES: list[msgspec.Struct] = [
             handles=pack([4]),
             lora_int_ids=pack([3]),
         ),
+        kv_connector=KVConnectorMetadata(
+            loads=[KVLoadOp(load_id=7, block_ids=pack([1, 2]), remote_block_ids=pack([8, 9]),
+                            remote_key="r#1", remote_engine_id="p0", remote_host="10.0.0.2",
+                            remote_rank_ports=[5001, 5002])],
+            cancel=pack([6]),
+            expose=[KVExposeOp("q#2", pack([10, 11]))],
+            unexpose=["q#1"],
+        ),
     ),
     m.Shutdown(reason="bye"),
     m.HealthPing(nonce=2**40),
@@ -151,6 +175,7 @@ SAMPLES: list[msgspec.Struct] = [
         num_host_blocks=64,
         num_disk_blocks=256,
         kv_bytes_per_block=65536,
+        kv_connector_port=5001,
     ),
     m.ModelRunnerOutput(
         step_id=7,
@@ -169,4 +194,6 @@ SAMPLES: list[msgspec.Struct] = [
     m.WorkerReady(rank=2, nonce=5),
     m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
     m.LoRAReady(rank=1, lora_int_id=3, error="adapter_config.json: use_dora is not supported"),
+    KVConnectorReport(rank=1, done=pack([7]), failed=pack([6]), reasons=["refused"],
+                      nbytes=4096, seconds=[0.25], transport="tcp"),
 ]
