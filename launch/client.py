@@ -21,6 +21,7 @@ import zmq
 
 from engine_core.validation import validate_job, validate_priority, validate_sampling
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
+from protocol.kv_connector import KVTransferParams
 from protocol.messages import (
     AbortRequests,
     AddJobRequest,
@@ -99,6 +100,7 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         job: JobInfo | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> Tracked:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -120,7 +122,8 @@ class EngineClient:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
         fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
-                      priority=priority, cache_salt=cache_salt, arrival_time=now)
+                      priority=priority, cache_salt=cache_salt, arrival_time=now,
+                      kv_transfer_params=kv_transfer_params)
         self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
         return tr
 

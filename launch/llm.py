@@ -23,6 +23,7 @@ from launch.processes import (
     start_workers as start_local_workers,
 )
 from protocol.config import EngineConfig, config_error
+from protocol.kv_connector import KVTransferParams, with_engine_id
 from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
@@ -67,6 +68,9 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         self.config = _engine_config(model, tensor_parallel_size, engine_options)
+        if self.config.kv_transfer_config is not None:  # one engine id for core and ranks
+            self.config = msgspec.structs.replace(
+                self.config, kv_transfer_config=with_engine_id(self.config.kv_transfer_config))
         self.group = ProcessGroup(on_failure=self._on_process_failure)
         self.client: EngineClient | None = None
         self._ipc_dir: str | None = None
@@ -206,6 +210,7 @@ class LLM:
         priority: Sequence[int] | None,
         cache_salt: str | None,
         jobs: Sequence[JobInfo | None] | None = None,
+        kv_params: Sequence[KVTransferParams | None] | None = None,
     ) -> list[RequestOutput]:
         client = self._client()
         if sampling_params is None:
@@ -232,6 +237,7 @@ class LLM:
                 priority=priority[i] if priority else 0,
                 cache_salt=cache_salt,
                 job=jobs[i] if jobs else None,
+                kv_transfer_params=kv_params[i] if kv_params else None,
             )
             results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
         return results
@@ -247,6 +253,8 @@ class LLM:
                 res.logprobs = (res.logprobs or []) + list(out.new_logprobs)
         if out.num_cached_tokens:
             res.metrics.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            res.kv_transfer_params = out.kv_transfer_params
         if out.finish_reason is not None:
             res.finish_reason = out.finish_reason
             res.error = out.error
@@ -264,17 +272,23 @@ class LLM:
         job_id: str | Sequence[str | None] | None = None,
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
+        kv_transfer_params: KVTransferParams | Sequence[KVTransferParams | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         job_id / is_last_step / tool_name (one value, or one per prompt): the agent program
-        each prompt is a turn of, for --scheduling-policy continuum (see README)."""
+        each prompt is a turn of, for --scheduling-policy continuum (see README).
+        kv_transfer_params (one, or one per prompt): disaggregated prefill / decode, as in
+        vLLM; a prefill's answer is in each output's ``kv_transfer_params``."""
         results: list[RequestOutput] = []
         bar = None
-        jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
+        n = len(_as_list(prompts))
+        jobs = job_infos(n, job_id, is_last_step, tool_name)
+        kv = ([kv_transfer_params] * n if isinstance(kv_transfer_params, KVTransferParams)
+              else kv_transfer_params)
         try:
             for results, _, out in self._events(
-                prompts, sampling_params, priority, cache_salt, timeout_s, jobs
+                prompts, sampling_params, priority, cache_salt, timeout_s, jobs, kv
             ):
                 if bar is None and use_tqdm and len(results) > 1:
                     bar = _progress(len(results))
@@ -332,6 +346,7 @@ class LLM:
         cache_salt: str | None,
         timeout_s: float | None,
         jobs: list[JobInfo | None] | None = None,
+        kv_params: Sequence[KVTransferParams | None] | None = None,
     ) -> Iterator[tuple[list[RequestOutput], Tracked, WireOutput]]:
         """The one receive loop behind generate() and generate_stream().
 
@@ -340,7 +355,7 @@ class LLM:
         """
         sink: Sink = queue.Queue()
         results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt,
-                               jobs)
+                               jobs, kv_params)
         pending = len(results)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -45,6 +46,8 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # a prefill request's answer (P/D): protocol.kv_connector.KVTransferParams
+    kv_transfer_params: Any = None
 
     @property
     def finished(self) -> bool:

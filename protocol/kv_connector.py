@@ -84,6 +84,16 @@ def kv_transfer_config_error(c: KVTransferConfig) -> str | None:
     return None
 
 
+def with_engine_id(c: KVTransferConfig) -> KVTransferConfig:
+    """The config with an engine id: the launcher draws one, so the engine core and every
+    rank name the engine alike (a decode rank checks it when it connects)."""
+    if c.engine_id:
+        return c
+    import uuid
+
+    return msgspec.structs.replace(c, engine_id=uuid.uuid4().hex)
+
+
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     """The flag's JSON; ValueError naming the bad key."""
     try:

@@ -138,9 +138,12 @@ class Worker:
                     max_model_len=self.runner.max_model_len,
                     eos_token_id=cfg.eos_token_id,
                     dtype=str(self.runner.dtype).removeprefix("torch."),
+                    kv_connector_port=kv.port if (kv := self.runner.kv_connector) else 0,
                 )
             )
         )
+        if self.runner.kv_connector is not None:  # its loads report to the core directly
+            self.runner.kv_connector.connect_reports(endpoints.results)
 
     def send(self, msg: msgspec.Struct) -> None:
         self.push.send(self.encoder.encode(msg))

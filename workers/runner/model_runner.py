@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from protocol.structured import StructuredOutputsParams
+    from workers.kv_connector.worker_side import KVConnectorWorker
     from workers.kv_offload.host_pool import KVOffloadExecutor
     from workers.model.config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
@@ -87,6 +88,9 @@ class ModelRunner:
         # grammar matchers of constrained requests; built on the first one (xgrammar loads
         # only then)
         self.structured: StructuredOutputs | None = None
+        # disaggregated prefill / decode (workers/kv_connector/); None without
+        # --kv-transfer-config
+        self.kv_connector: KVConnectorWorker | None = None
 
     def _make_structured(self) -> StructuredOutputs:
         if self.structured is None:
@@ -189,6 +193,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.config.kv_offload_memory > 0:
             self._init_kv_offload()
+        if self.config.kv_transfer_config is not None:
+            from protocol.transport import secret_from_env
+            from workers.kv_connector.worker_side import KVConnectorWorker
+
+            self.kv_connector = KVConnectorWorker(self.config.kv_transfer_config,
+                                                  self.dist.rank, self.dist.world_size,
+                                                  secret_from_env())
+            self.kv_connector.register_kv_caches(self.model)
         return num_blocks
 
     def _init_kv_offload(self) -> None:
@@ -223,6 +235,9 @@ class ModelRunner:
         if self.kv_offload is not None:
             self.kv_offload.close()
             self.kv_offload = None
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
         if self.structured is not None:
             self.structured.close()
 
@@ -251,6 +266,8 @@ class ModelRunner:
             spent = offload.apply_seconds
             offload.apply(so.kv_transfers, self._k_caches, self._v_caches)
             copy_us = (offload.apply_seconds - spent) * 1e6
+        if self.kv_connector is not None and so.kv_connector is not None:
+            self.kv_connector.start_load_kv(so.kv_connector)  # returns at once
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(
                 step_id=so.step_id, rank=self.dist.rank, req_handles=b"",

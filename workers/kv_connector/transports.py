@@ -1,0 +1,163 @@
+"""The ways a decode rank pulls KV blocks from a prefill rank, behind one interface
+(``Transport.pull``): the TCP pull over ZeroMQ (works anywhere the block server is reachable),
+same-host shared memory (CPU), and NIXL (nixl.py: UCX, host or device memory).
+
+Every pull moves heads ``HeadSlice`` of ``remote_ids`` (the prefill rank's blocks) into the
+same heads-slot of ``local_ids`` in this rank's caches, for every cache tensor (K and V of
+every layer). It raises PeerError (or Cancelled) when it cannot finish; the blocks then hold
+partial KV, which the scheduler never registers in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from protocol.codec import pack
+from protocol.kv_peer import PEER_CHECK, PEER_DATA, PEER_NOT_YET, PEER_OK, PeerInfo, PeerRead
+from workers.kv_connector.layout import HeadSlice
+from workers.kv_connector.peer import Peer, PeerError, wait_briefly
+from workers.kv_connector.shm import RemoteCaches
+
+Cancel = Callable[[], bool]
+CHUNK_BYTES = 8 << 20  # TCP: bytes per message (several in flight)
+WINDOW = 4  # TCP: chunk requests in flight
+NOT_YET_WAIT_S = 0.002
+
+
+def await_lease(peer: Peer, key: str, remote_ids: list[int], cancelled: Cancel) -> None:
+    """Until the prefill rank serves ``key`` (its exposing step may still be under way)."""
+    while True:
+        seq = peer.next_seq()
+        peer.send(PeerRead(seq=seq, key=key, block_ids=pack(remote_ids), mode=PEER_CHECK))
+        reply, _ = peer.reply(seq, cancelled)
+        if reply.status == PEER_OK:
+            return
+        if reply.status != PEER_NOT_YET:
+            raise PeerError(f"{peer.addr}: {reply.error or 'refused'}")
+        wait_briefly(cancelled, NOT_YET_WAIT_S)
+
+
+def scatter(caches: Sequence[torch.Tensor], local_ids: list[int], local_start: int,
+            data: torch.Tensor) -> None:
+    """data ``[num_caches, n, block_size, heads, head_dim]`` into those heads of those blocks."""
+    nh = data.shape[3]
+    dev = caches[0].device
+    idx = torch.tensor(local_ids, dtype=torch.long, device=dev)
+    if data.device != dev:
+        data = data.to(dev)
+    for i, c in enumerate(caches):
+        c[:, :, local_start:local_start + nh].index_copy_(0, idx, data[i])
+
+
+class Transport:
+    name = ""
+
+    def pull(self, peer: Peer, info: PeerInfo, key: str, remote_ids: list[int],
+             local_ids: list[int], sl: HeadSlice, caches: Sequence[torch.Tensor],
+             cancelled: Cancel) -> int:
+        """Move the blocks; returns the bytes moved."""
+        raise NotImplementedError
+
+    def forget(self, peer: Peer) -> None:
+        """The peer's connection is closed: drop what was kept for it."""
+
+    def close(self) -> None:
+        pass
+
+
+class TcpTransport(Transport):
+    """The block server gathers the heads into one buffer per chunk and sends it; this rank
+    scatters it into its blocks. Chunks are pipelined (WINDOW in flight)."""
+
+    name = "tcp"
+
+    def pull(self, peer: Peer, info: PeerInfo, key: str, remote_ids: list[int],
+             local_ids: list[int], sl: HeadSlice, caches: Sequence[torch.Tensor],
+             cancelled: Cancel) -> int:
+        await_lease(peer, key, remote_ids, cancelled)
+        c0 = caches[0]
+        nh = sl.num_heads
+        shape_tail = (c0.shape[1], nh, c0.shape[3])
+        per_block = len(caches) * c0.shape[1] * nh * c0.shape[3] * c0.element_size()
+        chunk = max(1, CHUNK_BYTES // per_block)
+        n = len(remote_ids)
+        pending: deque[tuple[int, int, int]] = deque()
+        i = total = 0
+        while i < n or pending:
+            while i < n and len(pending) < WINDOW:
+                j = min(n, i + chunk)
+                seq = peer.next_seq()
+                peer.send(PeerRead(seq=seq, key=key, block_ids=pack(remote_ids[i:j]),
+                                   head_start=sl.remote_start, head_end=sl.remote_end,
+                                   mode=PEER_DATA))
+                pending.append((seq, i, j))
+                i = j
+            seq, a, b = pending.popleft()
+            reply, frames = peer.reply(seq, cancelled)
+            if reply.status != PEER_OK or not frames:
+                raise PeerError(f"{peer.addr}: {reply.error or 'refused'}")
+            buf = frames[0].buffer
+            if len(buf) != (b - a) * per_block:
+                raise PeerError(f"{peer.addr} sent {len(buf)} bytes, expected "
+                                f"{(b - a) * per_block}")
+            data = torch.frombuffer(buf, dtype=c0.dtype).view(len(caches), b - a, *shape_tail)
+            scatter(caches, local_ids[a:b], sl.local_start, data)
+            total += len(buf)
+        return total
+
+
+class ShmTransport(Transport):
+    """Map the prefill rank's memfd (same machine, CPU) and copy from it directly; the lease
+    is checked before and after the copy."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._maps: dict[str, RemoteCaches] = {}
+
+    @staticmethod
+    def usable(info: PeerInfo, hostname: str, boot_id: str, device: torch.device) -> bool:
+        return (info.shm_fd >= 0 and info.hostname == hostname and info.boot_id == boot_id
+                and device.type == "cpu" and info.device == "cpu")
+
+    def pull(self, peer: Peer, info: PeerInfo, key: str, remote_ids: list[int],
+             local_ids: list[int], sl: HeadSlice, caches: Sequence[torch.Tensor],
+             cancelled: Cancel) -> int:
+        await_lease(peer, key, remote_ids, cancelled)
+        rc = self._maps.get(peer.addr)
+        if rc is None:
+            c0 = caches[0]
+            shape = (info.num_blocks, info.block_size, info.kv_heads, info.head_dim)
+            try:
+                with warnings.catch_warnings():  # read-only memory: never written through
+                    warnings.simplefilter("ignore", UserWarning)
+                    rc = RemoteCaches(info.pid, info.shm_fd, info.num_caches, shape, c0.dtype)
+            except OSError as e:
+                raise PeerError(f"cannot map the memory of prefill rank {info.rank} "
+                                f"(pid {info.pid}): {e}") from None
+            self._maps[peer.addr] = rc
+        src = torch.tensor(remote_ids, dtype=torch.long)
+        dst = torch.tensor(local_ids, dtype=torch.long)
+        r0, r1, l0 = sl.remote_start, sl.remote_end, sl.local_start
+        total = 0
+        for c, r in zip(caches, rc.tensors, strict=True):
+            part = r[:, :, r0:r1].index_select(0, src)
+            c[:, :, l0:l0 + (r1 - r0)].index_copy_(0, dst, part)
+            total += part.numel() * part.element_size()
+        # the lease must still hold: else the prefill engine may have reused a block mid-copy
+        await_lease(peer, key, remote_ids, cancelled)
+        return total
+
+    def forget(self, peer: Peer) -> None:
+        rc = self._maps.pop(peer.addr, None)
+        if rc is not None:
+            rc.close()
+
+    def close(self) -> None:
+        for rc in self._maps.values():
+            rc.close()
+        self._maps.clear()
