@@ -144,7 +144,8 @@ def test_aborts_leave_both_engines_free(engines) -> None:
     p.abort(["early"])
     # between P and D, and while D loads: D aborts right after it got the request
     params = prefill(p, [text, prompt(9 * BS, 78)])
-    d.client.add_request("late", text, GREEDY, sink, kv_transfer_params=params[0].kv_transfer_params)
+    d.client.add_request("late", text, GREEDY, sink,
+                         kv_transfer_params=params[0].kv_transfer_params)
     d.abort(["late"])
     d.client.add_request("mid", prompt(9 * BS, 78), GREEDY, sink,
                          kv_transfer_params=params[1].kv_transfer_params)
