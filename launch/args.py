@@ -134,6 +134,20 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
                    "the TTL learned from tool-call gaps (an experiment knob)")
     g.add_argument("--continuum-max-ttl", type=float, default=d.continuum_max_ttl,
                    metavar="SECONDS", help="continuum policy: cap on any pin's TTL")
+    g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                   metavar="JSON",
+                   help='disaggregated prefill/decode, vLLM\'s JSON: {"kv_role": "kv_both"} '
+                   '(+ "kv_connector": auto|nixl|tcp|shm, "kv_load_failure_policy": '
+                   'recompute|fail, "kv_ip", "kv_port", "kv_lease_s", ...; see README)')
+
+
+def _kv_transfer_config(text: str) -> Any:
+    from protocol.kv_connector import parse_kv_transfer_config
+
+    try:
+        return parse_kv_transfer_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

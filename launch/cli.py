@@ -5,6 +5,8 @@ python -m launch --model dummy:tiny --num-prompts 64 --input-len 128 --output-le
 python -m launch --nnodes 2 --node-rank 1 --master-addr HOST --master-port P   # workers only
 python -m launch --engine-only --nproc-per-node 2 ...     # scheduler alone, for torchrun workers
 python -m launch serve --model dummy:tiny --port 8000      # OpenAI-compatible HTTP server
+python -m launch proxy --prefill URL --decode URL --port 8000   # P/D proxy
+python -m launch pd --prefill-tp 1 --decode-tp 2 --port 8000   # prefill + decode + proxy
 """
 
 from __future__ import annotations
@@ -154,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         from launch.serve.main import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["proxy"]:  # `tandem proxy ...`: the P/D proxy
+        from launch.proxy.main import main as proxy_main
+
+        return proxy_main(argv[1:])
+    if argv[:1] == ["pd"]:  # `tandem pd ...`: a whole P/D set on this host
+        from launch.pd import main as pd_main
+
+        return pd_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     from protocol.config import EngineConfig, config_error

@@ -127,7 +127,8 @@ async def create_chat_completion(
             if req.return_token_ids:
                 choice |= {"token_ids": c.token_ids, "prompt_token_ids": c.prompt_ids}
             choices.append(with_tool_calls(choice, plan))
-        return head | {"object": "chat.completion", "choices": choices, "usage": gen.usage()}
+        return (head | {"object": "chat.completion", "choices": choices, "usage": gen.usage()}
+                | gen.kv_transfer_fields())
 
     opts = req.stream_options
     return await respond(

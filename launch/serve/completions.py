@@ -95,7 +95,7 @@ async def create_completion(
             if req.return_token_ids:
                 choice |= {"token_ids": c.token_ids, "prompt_token_ids": c.prompt_ids}
             choices.append(choice)
-        return head | {"choices": choices, "usage": gen.usage()}
+        return head | {"choices": choices, "usage": gen.usage()} | gen.kv_transfer_fields()
 
     opts = req.stream_options
     return await respond(

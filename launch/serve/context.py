@@ -26,6 +26,7 @@ from launch.serve.field_checks import (
     max_token_chars,
 )
 from launch.serve.generation import Generation
+from launch.serve.kv_params import request_kv_params
 from launch.serve.metrics import ServerMetrics
 from launch.serve.schemas import SamplingFields
 from protocol.messages import SamplingParams
@@ -136,6 +137,7 @@ class ServerContext:
             req.skip_special_tokens,
             req.priority,
             job_infos(1, req.job_id, req.is_last_step, req.tool_name),
+            kv_transfer_params=request_kv_params(req.kv_transfer_params, len(prompts) * req.n),
         )
         gen.validate()
         return gen

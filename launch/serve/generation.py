@@ -27,6 +27,7 @@ from launch.serve.errors import APIError, bad_request
 from launch.serve.metrics import ServerMetrics
 from launch.serve.stop import StopChecker
 from protocol.codec import pack
+from protocol.kv_connector import KVTransferParams, params_to_json
 from protocol.messages import JobInfo, SamplingParams
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
@@ -54,6 +55,8 @@ class Choice:
     arrival: float = 0.0
     submitted: bool = False
     last_token_ts: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens the engine did not compute
+    kv_transfer_params: KVTransferParams | None = None  # a prefill's answer (P/D)
 
 
 @dataclass
@@ -81,8 +84,10 @@ class Generation:
         skip_special_tokens: bool,
         priority: int = 0,
         jobs: list[JobInfo | None] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         self.engine = engine
+        self.kv_transfer_params = kv_transfer_params  # one prompt, n = 1 (kv_params.py)
         self.job = jobs[0] if jobs else None  # every choice is a turn of the same job
         self.metrics = metrics
         self.base_id = base_id
@@ -147,7 +152,7 @@ class Generation:
             try:
                 c.arrival = self.engine.submit(
                     c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority,
-                    self.job,
+                    self.job, self.kv_transfer_params,
                 )
                 c.submitted = True
             except EngineDeadError as e:
@@ -241,6 +246,10 @@ class Generation:
             events.append(self.queue.get_nowait())
         out = []
         for idx, wire, ts in events:
+            if wire.num_cached_tokens:
+                self.choices[idx].num_cached_tokens = wire.num_cached_tokens
+            if wire.kv_transfer_params is not None:
+                self.choices[idx].kv_transfer_params = wire.kv_transfer_params
             d = self._apply(self.choices[idx], wire.new_token_ids, wire.new_logprobs, ts,
                             wire.finish_reason, wire.error)
             if d is not None:
@@ -295,11 +304,21 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        # a prompt is counted once however many choices sample it (as vLLM counts)
+    def usage(self) -> dict[str, Any]:
+        # a prompt is counted once however many choices sample it (as vLLM counts); so are its
+        # cached tokens (prefix-cache hits and KV pulled from a prefill engine)
         prompt = self.prompt_tokens
         done = self.completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        cached = sum(c.num_cached_tokens for c in self.choices if c.index % self.n == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def kv_transfer_fields(self) -> dict[str, Any]:
+        """A prefill's answer, at the top level of the response body as vLLM puts it."""
+        for c in self.choices:
+            if c.kv_transfer_params is not None:
+                return {"kv_transfer_params": params_to_json(c.kv_transfer_params)}
+        return {}
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

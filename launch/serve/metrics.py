@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from launch.serve.kv_metrics import KVConnectorCollector
+
 if TYPE_CHECKING:
     from protocol.messages import HealthReport
 
@@ -75,6 +77,8 @@ class ServerMetrics:
         self._gen = self.generation_tokens.labels(**self._labels)
         self._prompt = self.prompt_tokens.labels(**self._labels)
         self._gone = self.client_aborts.labels(**self._labels)  # exported from 0 on
+        self.kv_connector = KVConnectorCollector(model_name)  # P/D transfers and leases
+        r.register(self.kv_connector)
 
     def on_tokens(self, n: int, ts: float, arrival: float, last_token_ts: float | None) -> None:
         """n tokens of one choice arrived at ts; last_token_ts: the choice's previous tokens
@@ -101,6 +105,7 @@ class ServerMetrics:
 
     def render(self, report: HealthReport | None, in_flight: int) -> bytes:
         if report is not None:
+            self.kv_connector.report = report
             self.running.labels(**self._labels).set(report.num_running)
             self.waiting.labels(**self._labels).set(report.num_waiting)
             self.kv_usage.labels(**self._labels).set(report.kv_usage)

@@ -49,6 +49,8 @@ class SamplingFields(_Open):
     job_id: str | None = Field(default=None, strict=True)
     is_last_step: bool = Field(default=False, strict=True)
     tool_name: str | None = Field(default=None, strict=True)
+    # disaggregated prefill / decode, vLLM's field (checked in launch/serve/kv_params.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -1,0 +1,25 @@
+"""``kv_transfer_params`` in a request body (vLLM's P/D field): typed here, so a bad value is a
+400 naming the field before anything is sent to the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from launch.serve.errors import bad_request
+from protocol.kv_connector import KVTransferParams
+
+
+def request_kv_params(raw: dict[str, Any] | None, num_choices: int) -> KVTransferParams | None:
+    if raw is None:
+        return None
+    try:
+        params = msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"kv_transfer_params: {e}", "kv_transfer_params") from e
+    if not (params.do_remote_decode or params.do_remote_prefill):
+        return None  # nothing asked of P/D: an ordinary request
+    if num_choices != 1:
+        raise bad_request("kv_transfer_params needs one prompt and n = 1", "kv_transfer_params")
+    return params
