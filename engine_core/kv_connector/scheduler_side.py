@@ -315,6 +315,15 @@ class KVConnectorScheduler:
                                           if ld.held_key}
         return held | set(self.aside)
 
+    def trace_record(self) -> dict[str, int]:
+        """For the scheduler trace, once per step: requests waiting for their KV, loads in
+        flight and leases held after this step's decisions, and the loads started, done and
+        failed since the last step."""
+        rec = {"waiting_for_remote_kvs": len(self.aside), "loads_in_flight": len(self.loads),
+               "leases": len(self.leases), **self.events}
+        self.events = dict.fromkeys(self.events, 0)
+        return rec
+
     def close(self) -> None:
         self.leases.release_all()
 

@@ -271,6 +271,9 @@ class SchedulerTrace:
         }
         if sched.kv_offload is not None:
             self._pending[step_id]["kv_offload"] = self._offload_record(sched)
+        conn = getattr(sched, "kv_connector", None)
+        if conn is not None:  # P/D: requests waiting for their KV, loads, leases
+            self._pending[step_id]["kv_connector"] = conn.trace_record()
         cont = self.continuum
         if cont is not None and cont.events is not None:
             self._pending[step_id]["clock"] = cont.now

@@ -21,7 +21,8 @@ from protocol.transport import make_socket
 _BROKEN = {
     zmq.EVENT_DISCONNECTED: "the connection dropped (the prefill engine died?)",
     zmq.EVENT_CONNECT_RETRIED: "connection refused (no prefill engine listens there)",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed (CURVE keys differ: is "
+                                          "TANDEM_SECRET the same on both engines?)",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the CURVE handshake failed (TANDEM_SECRET differs?)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the CURVE handshake was refused (TANDEM_SECRET differs?)",
 }

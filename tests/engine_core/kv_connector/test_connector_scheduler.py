@@ -266,3 +266,49 @@ def test_bad_params_are_refused_with_the_field_named(pair) -> None:
     d.sched.add_request(request("x", list(range(1, 10)), 2, bad))
     out = d.sched.take_outputs()[0]
     assert out.finish_reason == "error" and "remote_block_ids" in (out.error or "")
+
+
+def test_trace_shows_the_wait(tmp_path) -> None:
+    import json
+
+    clock = Clock()
+    p, d = Engine("P", clock), Engine("D", clock)
+    path = str(tmp_path / "trace.jsonl")
+    d.sched = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BS, kv_transfer_config=d.cfg,
+                             scheduler_trace=path)
+    d.conn = KVConnectorScheduler(d.cfg, d.sched.kv_cache_manager, engine_id="D",
+                                  host="127.0.0.1", port=2000, rank_ports=[1001], world_size=1,
+                                  clock=clock)
+    d.sched.kv_connector = d.conn
+    prompt = list(range(60, 60 + 3 * BS))
+    params = prefill(p, "r", prompt)
+    d.sched.add_request(request("r", prompt, 2, params))
+    d.step()  # admitted aside, its load planned
+    d.step()  # still waiting: nothing was transferred
+    run(p, d)
+    d.sched.close()
+    steps = [json.loads(line) for line in open(path) if '"step"' in line]
+    recs = [s["kv_connector"] for s in steps if s.get("type") == "step"]
+    assert recs[0]["started"] == 1 and recs[0]["waiting_for_remote_kvs"] == 1
+    assert recs[1]["waiting_for_remote_kvs"] == 1 and recs[1]["loads_in_flight"] == 1
+    assert sum(r["done"] for r in recs) == 1 and recs[-1]["waiting_for_remote_kvs"] == 0
+
+
+def test_remote_leases_are_renewed_while_waiting_and_released_once() -> None:
+    from engine_core.kv_connector.loads import RemoteLeases
+
+    clock = Clock()
+    leases = RemoteLeases(7.5, clock)
+    p = KVTransferParams(do_remote_prefill=True, remote_engine_id="P", remote_host="h",
+                         remote_port=9, remote_request_id="k1", remote_lease_s=8.0)
+    leases.hold("a", p)
+    assert leases.take_messages() == []  # nothing due yet
+    clock.t += 2.5  # a quarter of the remote lease (8 s / 4 = 2 s) has passed
+    (addr, msg), = leases.take_messages()
+    assert addr == ("h", 9, "P") and msg.renew == ["k1"] and msg.release == []
+    leases.release("a")
+    leases.release("a")  # twice: one release
+    (_, msg), = leases.take_messages()
+    assert msg.release == ["k1"] and msg.renew == []
+    clock.t += 10
+    assert leases.take_messages() == []
