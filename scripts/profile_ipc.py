@@ -29,6 +29,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pd_wire import pd_wire  # noqa: E402
 from structured_wire import bitmask_bytes, wire  # noqa: E402
 
 from engine_core.request import Request  # noqa: E402
@@ -312,6 +313,8 @@ def main() -> None:
     # structured outputs at batch 64 on dummy:tiny's vocabulary: worker-side matchers keep the
     # decode diff as is; a scheduler-side matcher would ship every constrained request's mask
     so_wire = wire(STRUCTURED_VOCAB, STRUCTURED_BATCH)
+    # P/D: the KV connector's operations in the step diffs (block ids, never KV bytes)
+    pd = pd_wire(num_requests=4 if a.quick else 16)
 
     print(f"{'message':<18} {'field':<26} {'median B':>9} {'p99 B':>9}   (mixed workload)")
     for kind, field, med, p99 in per_field_table(mixed):
@@ -333,6 +336,12 @@ def main() -> None:
          so_wire["decode_diff_bytes"], ""),
         ("structured decode diff, scheduler-side bitmask",
          so_wire["decode_diff_bytes_scheduler_side"], ""),
+        ("P/D prefill diff bytes / request (1024 tok)",
+         round(pd["pd_prefill_diff_bytes_per_request"], 1), ""),
+        ("P/D decode diff bytes / request (1024 tok)",
+         round(pd["pd_decode_diff_bytes_per_request"], 1), ""),
+        ("P/D rank reports bytes / request (TP 2)",
+         round(pd["pd_report_bytes_per_request"], 1), ""),
     ]
     for name, value, target in figures:
         print(f"{name:<45} {value!s:>9} {target:>9}")
@@ -361,6 +370,7 @@ def main() -> None:
             "structured_new_request_bytes_constrained": so_wire["new_request_bytes_constrained"],
             "structured_prepare_grammar_bytes": so_wire["prepare_grammar_bytes"],
             "structured_grammar_ready_bytes": so_wire["grammar_ready_bytes"],
+            **pd,
             "broadcast_us": {
                 str(n): {"p50": round(pct(v, 50), 1), "p99": round(pct(v, 99), 1)}
                 for n, v in bcast.items()

@@ -24,6 +24,9 @@ CASES = {
             "broadcast_p99_us",
             "structured_decode_diff_bytes",
             "structured_decode_diff_bytes_scheduler_side",
+            "pd_prefill_diff_bytes_per_request",
+            "pd_decode_diff_bytes_per_request",
+            "pd_report_bytes_per_request",
         ],
     ),
     "bench_scheduler.py": (
