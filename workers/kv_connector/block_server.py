@@ -134,15 +134,18 @@ class BlockServer:
                                          error=f"heads [{h0}, {h1}) outside [0, "
                                                f"{self.info.kv_heads})"))
             return
-        data = gather(self.caches, ids, h0, h1, self.stream)
-        # the lease may have ended while the blocks were copied: then the copy is worthless
+        parts = gather(self.caches, ids, h0, h1, self.stream)
+        # the lease may have ended while the blocks were gathered: then they are worthless
         status, error = self._status(msg.key, ids)
         if status != PEER_OK:
             self._reply(ident, PeerReply(seq=msg.seq, status=status, error=error))
             return
-        buf = memoryview(data.numpy()).cast("B")
+        bufs = [memoryview(p.numpy()).cast("B") for p in parts]
+        # zero-copy: ZeroMQ reads the leased blocks themselves (held until the decode engine
+        # is done) or the gathered copies, which the frames keep alive
         self.sock.send_multipart([ident, self._encoder.encode(
-            PeerReply(seq=msg.seq, status=PEER_OK, nbytes=len(buf))), buf], copy=False)
+            PeerReply(seq=msg.seq, status=PEER_OK, nbytes=sum(len(b) for b in bufs))), *bufs],
+            copy=False)
 
     def _reply(self, ident: bytes, reply: PeerReply) -> None:
         self.sock.send_multipart([ident, self._encoder.encode(reply)])
@@ -155,22 +158,26 @@ class BlockServer:
 
 
 def gather(caches: Sequence[torch.Tensor], block_ids: list[int], h0: int, h1: int,
-           stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """Heads [h0, h1) of these blocks of every cache, as one contiguous host tensor
-    ``[num_caches, n, block_size, h1 - h0, head_dim]``: one gather per cache."""
+           stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+    """Heads [h0, h1) of these blocks of each cache, as contiguous host tensors
+    ``[n, block_size, h1 - h0, head_dim]``: views of the caches themselves when the blocks are
+    consecutive and every head goes (on CPU), else one gather per cache."""
     c0 = caches[0]
     n = len(block_ids)
+    whole = h0 == 0 and h1 == c0.shape[2]
+    if stream is None and whole and block_ids == list(range(block_ids[0], block_ids[0] + n)):
+        return [c[block_ids[0]:block_ids[0] + n] for c in caches]
     shape = (len(caches), n, c0.shape[1], h1 - h0, c0.shape[3])
     if stream is None:
         ids = torch.tensor(block_ids, dtype=torch.long)
         out = torch.empty(shape, dtype=c0.dtype)
         for i, c in enumerate(caches):
             torch.index_select(c[:, :, h0:h1], 0, ids, out=out[i])
-        return out
+        return list(out)
     with torch.cuda.stream(stream):
         ids = torch.tensor(block_ids, dtype=torch.long, device=c0.device)
         dev = torch.empty(shape, dtype=c0.dtype, device=c0.device)
         for i, c in enumerate(caches):
             torch.index_select(c[:, :, h0:h1], 0, ids, out=dev[i])
         out = dev.cpu()  # synchronizes this stream
-    return out
+    return list(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import time
 import uuid
@@ -25,6 +26,7 @@ import torch
 from protocol.kv_peer import PeerInfo
 from workers.kv_connector.layout import HeadSlice
 from workers.kv_connector.peer import Cancelled, Peer, PeerError
+from workers.kv_connector.runs import runs
 from workers.kv_connector.transports import Cancel, Transport, await_lease
 
 
@@ -32,9 +34,12 @@ from workers.kv_connector.transports import Cancel, Transport, await_lease
 def _api() -> Any:
     for name in ("nixl_cu12._api", "nixl._api"):
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError:
             continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # its INFO lines go to stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
     return None
 
 
@@ -82,14 +87,16 @@ class NixlAgent:
 
 def descriptors(base: int, block_ids: Sequence[int], block_bytes: int, token_bytes: int,
                 head_bytes: int, head_start: int, num_heads: int, whole: bool,
-                block_size: int) -> np.ndarray:
+                block_size: int, lengths: Sequence[int] | None = None) -> np.ndarray:
     """(address, length) rows for heads [head_start, head_start + num_heads) of these blocks
-    of one cache: one row per block when both sides move whole blocks (``whole``), else one
-    per token slot (the two lists must pair up row for row)."""
+    of one cache. ``whole`` (both sides move whole blocks): one row per run of ``lengths``
+    consecutive blocks starting at each id; else one per token slot (the two lists must pair
+    up row for row)."""
     ids = np.asarray(block_ids, dtype=np.int64)
     if whole:
+        n = np.asarray(lengths if lengths is not None else [1] * len(ids), dtype=np.int64)
         addrs = base + ids * block_bytes
-        return np.stack([addrs, np.full_like(addrs, block_bytes)], 1)
+        return np.stack([addrs, n * block_bytes], 1)
     slots = np.arange(block_size, dtype=np.int64) * token_bytes
     addrs = (base + ids[:, None] * block_bytes + slots[None, :]
              + head_start * head_bytes).reshape(-1)
@@ -122,12 +129,16 @@ class NixlTransport(Transport):
         r_blk, l_blk = bs * r_tok, bs * l_tok
         nh = sl.num_heads
         whole = nh == info.kv_heads == c0.shape[2]
+        src, dst, lengths = remote_ids, local_ids, None
+        if whole:  # one descriptor per run of consecutive blocks on both sides
+            rs = runs(remote_ids, local_ids)
+            src, dst, lengths = [r[0] for r in rs], [r[1] for r in rs], [r[2] for r in rs]
         rem, loc = [], []
         for addr, c in zip(info.cache_addrs, caches, strict=True):
-            rem.append(descriptors(addr, remote_ids, r_blk, r_tok, r_head, sl.remote_start, nh,
-                                   whole, bs))
-            loc.append(descriptors(c.data_ptr(), local_ids, l_blk, l_tok, l_head,
-                                   sl.local_start, nh, whole, bs))
+            rem.append(descriptors(addr, src, r_blk, r_tok, r_head, sl.remote_start, nh,
+                                   whole, bs, lengths))
+            loc.append(descriptors(c.data_ptr(), dst, l_blk, l_tok, l_head,
+                                   sl.local_start, nh, whole, bs, lengths))
         r = np.concatenate(rem)
         lo = np.concatenate(loc)
         r_dev = 0 if info.device == "cpu" else int(info.device.split(":")[-1] or 0)

@@ -20,6 +20,7 @@ from protocol.codec import pack
 from protocol.kv_peer import PEER_CHECK, PEER_DATA, PEER_NOT_YET, PEER_OK, PeerInfo, PeerRead
 from workers.kv_connector.layout import HeadSlice
 from workers.kv_connector.peer import Peer, PeerError, wait_briefly
+from workers.kv_connector.runs import copy_blocks
 from workers.kv_connector.shm import RemoteCaches
 
 Cancel = Callable[[], bool]
@@ -41,16 +42,14 @@ def await_lease(peer: Peer, key: str, remote_ids: list[int], cancelled: Cancel) 
         wait_briefly(cancelled, NOT_YET_WAIT_S)
 
 
-def scatter(caches: Sequence[torch.Tensor], local_ids: list[int], local_start: int,
+def scatter(cache: torch.Tensor, local_ids: list[int], local_start: int,
             data: torch.Tensor) -> None:
-    """data ``[num_caches, n, block_size, heads, head_dim]`` into those heads of those blocks."""
-    nh = data.shape[3]
-    dev = caches[0].device
-    idx = torch.tensor(local_ids, dtype=torch.long, device=dev)
-    if data.device != dev:
-        data = data.to(dev)
-    for i, c in enumerate(caches):
-        c[:, :, local_start:local_start + nh].index_copy_(0, idx, data[i])
+    """data ``[n, block_size, heads, head_dim]`` into those heads of those blocks."""
+    nh = data.shape[2]
+    if data.device != cache.device:
+        data = data.to(cache.device)
+    copy_blocks(cache[:, :, local_start:local_start + nh], data, range(len(local_ids)),
+                local_ids)
 
 
 class Transport:
@@ -70,8 +69,9 @@ class Transport:
 
 
 class TcpTransport(Transport):
-    """The block server gathers the heads into one buffer per chunk and sends it; this rank
-    scatters it into its blocks. Chunks are pipelined (WINDOW in flight)."""
+    """The block server sends a chunk as one frame per cache (straight from its memory when
+    the chunk's blocks are consecutive and every head goes; else gathered first); this rank
+    copies each frame into its blocks. Chunks are pipelined (WINDOW in flight)."""
 
     name = "tcp"
 
@@ -98,15 +98,16 @@ class TcpTransport(Transport):
                 i = j
             seq, a, b = pending.popleft()
             reply, frames = peer.reply(seq, cancelled)
-            if reply.status != PEER_OK or not frames:
+            if reply.status != PEER_OK or len(frames) != len(caches):
                 raise PeerError(f"{peer.addr}: {reply.error or 'refused'}")
-            buf = frames[0].buffer
-            if len(buf) != (b - a) * per_block:
-                raise PeerError(f"{peer.addr} sent {len(buf)} bytes, expected "
-                                f"{(b - a) * per_block}")
-            data = torch.frombuffer(buf, dtype=c0.dtype).view(len(caches), b - a, *shape_tail)
-            scatter(caches, local_ids[a:b], sl.local_start, data)
-            total += len(buf)
+            size = (b - a) * per_block // len(caches)
+            for cache, frame in zip(caches, frames, strict=True):
+                buf = frame.buffer
+                if len(buf) != size:
+                    raise PeerError(f"{peer.addr} sent {len(buf)} bytes, expected {size}")
+                data = torch.frombuffer(buf, dtype=c0.dtype).view(b - a, *shape_tail)
+                scatter(cache, local_ids[a:b], sl.local_start, data)
+            total += (b - a) * per_block
         return total
 
 
@@ -140,14 +141,11 @@ class ShmTransport(Transport):
                 raise PeerError(f"cannot map the memory of prefill rank {info.rank} "
                                 f"(pid {info.pid}): {e}") from None
             self._maps[peer.addr] = rc
-        src = torch.tensor(remote_ids, dtype=torch.long)
-        dst = torch.tensor(local_ids, dtype=torch.long)
         r0, r1, l0 = sl.remote_start, sl.remote_end, sl.local_start
         total = 0
         for c, r in zip(caches, rc.tensors, strict=True):
-            part = r[:, :, r0:r1].index_select(0, src)
-            c[:, :, l0:l0 + (r1 - r0)].index_copy_(0, dst, part)
-            total += part.numel() * part.element_size()
+            copy_blocks(c[:, :, l0:l0 + (r1 - r0)], r[:, :, r0:r1], remote_ids, local_ids)
+            total += len(remote_ids) * r[0, :, r0:r1].numel() * r.element_size()
         # the lease must still hold: else the prefill engine may have reused a block mid-copy
         await_lease(peer, key, remote_ids, cancelled)
         return total
