@@ -23,7 +23,7 @@ from launch.processes import (
     start_workers as start_local_workers,
 )
 from protocol.config import EngineConfig, config_error
-from protocol.kv_connector import KVTransferParams, with_engine_id
+from protocol.kv_connector import KVTransferConfig, KVTransferParams, with_engine_id
 from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
@@ -39,6 +39,12 @@ def _engine_config(model: str, tensor_parallel_size: int, options: dict[str, Any
         raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(ENGINE_OPTIONS)}")
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if isinstance(options.get("kv_transfer_config"), dict):  # vLLM's form: a dict
+        try:
+            options["kv_transfer_config"] = msgspec.convert(options["kv_transfer_config"],
+                                                            KVTransferConfig)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"kv_transfer_config: {e}") from None
     config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
     err = config_error(config)
     if err is not None:
