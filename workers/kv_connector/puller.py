@@ -28,7 +28,12 @@ from protocol.kv_peer import PeerInfo
 from protocol.transport import make_socket
 from workers.kv_connector.layout import head_slices
 from workers.kv_connector.peer import Cancelled, Peer, PeerError
-from workers.kv_connector.transports import ShmTransport, TcpTransport, Transport
+from workers.kv_connector.transports import (
+    ShmTransport,
+    ShmUnavailable,
+    TcpTransport,
+    Transport,
+)
 
 logger = logging.getLogger("tandem.kv_connector")
 
@@ -153,10 +158,20 @@ class Puller:
         for sl in slices:
             peer, info = self._peer(op, sl.remote_rank, cancelled)
             transport = self._transport(peer, info)
-            name = transport.name
             try:
-                total += transport.pull(peer, info, op.remote_key, remote, local, sl,
-                                        self.caches, cancelled)
+                try:
+                    total += transport.pull(peer, info, op.remote_key, remote, local, sl,
+                                            self.caches, cancelled)
+                except ShmUnavailable:
+                    if self.connector != "auto":
+                        raise
+                    logger.warning("shared memory with %s is unavailable: TCP pull instead",
+                                   peer.addr, exc_info=True)
+                    transport = self._transports.setdefault("tcp", TcpTransport())
+                    self._transport_of[peer.addr] = transport
+                    total += transport.pull(peer, info, op.remote_key, remote, local, sl,
+                                            self.caches, cancelled)
+                name = transport.name
             except PeerError:
                 if peer.broken is not None:  # the connection is gone: start over next time
                     self._drop(peer)

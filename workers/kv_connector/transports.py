@@ -52,6 +52,11 @@ def scatter(cache: torch.Tensor, local_ids: list[int], local_start: int,
                 local_ids)
 
 
+class ShmUnavailable(PeerError):
+    """The prefill rank's memory cannot be mapped from here (another user's process, a
+    restricted /proc): with "auto" the puller falls back to the TCP pull."""
+
+
 class Transport:
     name = ""
 
@@ -138,8 +143,8 @@ class ShmTransport(Transport):
                     warnings.simplefilter("ignore", UserWarning)
                     rc = RemoteCaches(info.pid, info.shm_fd, info.num_caches, shape, c0.dtype)
             except OSError as e:
-                raise PeerError(f"cannot map the memory of prefill rank {info.rank} "
-                                f"(pid {info.pid}): {e}") from None
+                raise ShmUnavailable(f"cannot map the memory of prefill rank {info.rank} "
+                                     f"(pid {info.pid}): {e}") from None
             self._maps[peer.addr] = rc
         r0, r1, l0 = sl.remote_start, sl.remote_end, sl.local_start
         total = 0

@@ -227,3 +227,23 @@ def test_transfer_ports_off_loopback_need_the_secret() -> None:
             BlockServer(ctx, "tcp://0.0.0.0:*", None, _caches(2, 0), None)  # type: ignore[arg-type]
     finally:
         ctx.term()
+
+
+def test_auto_falls_back_to_tcp_when_memory_cannot_be_mapped() -> None:
+    import msgspec
+
+    ctx = zmq.Context()
+    p = Prefill(ctx, 1, shm=True)
+    server = p.servers[0]
+    server.info = msgspec.structs.replace(server.info, shm_fd=999_999)  # no such descriptor
+    d = Decode(ctx, 1, 0, "auto")
+    try:
+        p.expose("k", [1, 2, 3])
+        d.load(1, p, "k", [1, 2, 3], [4, 5, 6])
+        rep = d.report()
+        assert unpack(rep.done) == [1] and rep.transport == "tcp", rep.reasons
+        d.expected(p, [1, 2, 3], [4, 5, 6])
+    finally:
+        d.close()
+        p.close()
+        ctx.term()
