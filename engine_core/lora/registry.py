@@ -193,7 +193,7 @@ class LoRARegistry:
         """Once per engine loop: hashes done, then the ranks' answers (``replies`` is emptied).
         Returns the requests that may go on and the outputs of those that failed; the loads'
         answers are in ``results``."""
-        failed = self.poll()
+        failed = self.poll() if self._hashing else []  # no syscall on a plain step
         go: list[Request] = []
         for msg in replies:
             ok, bad = self.answer(msg)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine_core.request import Request
 from engine_core.sched.scheduler import Scheduler
 from protocol.codec import Encoder, unpack
@@ -101,10 +103,13 @@ def test_a_request_without_a_slot_is_skipped_and_the_scan_goes_on() -> None:
     assert {k: tokens_of(v) for k, v in outs.items()} == {r.request_id: expected(r) for r in reqs}
 
 
-def test_skipped_requests_keep_their_priority_order() -> None:
-    s = lora_sched(1, num_blocks=100, max_num_batched_tokens=64, scheduling_policy="priority")
+@pytest.mark.parametrize("policy", ["priority", "continuum"])
+def test_skipped_requests_keep_their_queue_order(policy: str) -> None:
+    s = lora_sched(1, num_blocks=100, max_num_batched_tokens=64, scheduling_policy=policy)
     for rid, lid, prio in [("b1", 2, 1), ("a1", 1, 0), ("c1", 3, 2), ("b2", 2, 3)]:
-        s.add_request(make_request(rid, [30, 31], max_tokens=2, lora=lid, priority=prio))
+        # continuum orders by arrival (no jobs here), priority by priority: the same order
+        s.add_request(make_request(rid, [30, 31], max_tokens=2, lora=lid, priority=prio,
+                                   arrival=float(prio)))
     s.schedule()
     assert [r.request_id for r in s.running] == ["a1"]
     assert [r.request_id for r in s.waiting] == ["b1", "c1", "b2"]
