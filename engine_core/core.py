@@ -18,6 +18,8 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
+from itertools import chain
 
 import msgspec
 import zmq
@@ -25,6 +27,8 @@ import zmq
 from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
 from engine_core.handshake import build_scheduler, collect_hellos
+from engine_core.lora.registry import NOT_ENABLED, LoRARegistry
+from engine_core.lora.registry import control as lora_control
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
@@ -49,6 +53,7 @@ from protocol.messages import (
     EngineStats,
     HealthReport,
     HealthRequest,
+    LoadLoRA,
     ModelRunnerOutput,
     ProfileControl,
     ProfileRequest,
@@ -56,6 +61,7 @@ from protocol.messages import (
     SchedulerOutput,
     Shutdown,
     ShutdownEngine,
+    UnloadLoRA,
     WorkerError,
 )
 from protocol.transport import Endpoints, recv_frame, secret_from_env
@@ -84,6 +90,12 @@ class EngineCore:
         self.shutdown_requested = False
         # constrained requests waiting for every rank's compiled grammar before admission
         self.grammars = GrammarGate(world_size)
+        # LoRA adapters: registered once, requests held until every rank has theirs
+        self.lora: LoRARegistry | None = None
+        if config.enable_lora:
+            self.lora = LoRARegistry(
+                world_size, lambda m: self.link.pub.send(self.encoder.encode(m))
+            )
 
     # ------------------------------------------------------------------ start-up
 
@@ -121,13 +133,14 @@ class EngineCore:
             busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
             if busy:
                 self._poll_frontend(0)
-            elif self.grammars:
+            elif self.grammars or (self.lora is not None and self.lora.busy):
                 self._wait_frontend_or_workers(int(PING_INTERVAL_S * 1000))
             else:
                 self._poll_frontend(int(PING_INTERVAL_S * 1000))
             if not self.in_flight:
                 self.link.drain()  # idle: the workers' pongs must still count
             self._settle_grammars()
+            self._settle_loras()
             self.link.maybe_ping()
             self.link.check_alive()
             if self.shutdown_requested:
@@ -153,6 +166,8 @@ class EngineCore:
             frame = self.encoder.encode(so)
             t2 = time.perf_counter()
             self.link.pub.send(frame, copy=False)
+            if self.lora is not None:
+                self.lora.after_publish()  # DropLoRA after the step that empties its slot
             in_flight.append((so, (t0, t1, t2, time.perf_counter()), len(frame)))
             if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
                 return  # the first step of a burst: plan the next one before waiting
@@ -192,6 +207,8 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.frontend.req_sock, zmq.POLLIN)
         poller.register(self.link.results, zmq.POLLIN)
+        if self.lora is not None:
+            poller.register(self.lora.wakeup_fd, zmq.POLLIN)  # an adapter's hash is done
         poller.poll(timeout_ms)
         self._poll_frontend(0)
 
@@ -209,6 +226,16 @@ class EngineCore:
                 failed.append(settled)
         replies.clear()
         self._flush(failed)
+
+    def _settle_loras(self) -> None:
+        """Let on the requests whose adapter every rank has, fail those a rank refused."""
+        if self.lora is not None:
+            go, failed = self.lora.settle(self.link.lora_replies)
+            for req in go:
+                self._admit(req)
+            self._flush(failed)
+            for result in self.lora.take_results():
+                self._send_frontend(result)
 
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""
@@ -260,6 +287,8 @@ class EngineCore:
         elif isinstance(msg, AbortRequests):
             ids = [r for r in msg.request_ids if r in self.inflight]
             self._flush(self.grammars.abort(ids))
+            if self.lora is not None:
+                self._flush(self.lora.abort(ids))
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             # Send the abort outputs (and free the ids) now: an AddRequest reusing an id in the
             # same burst must not be refused as a duplicate of the request just aborted.
@@ -279,6 +308,10 @@ class EngineCore:
                 )
         elif isinstance(msg, ShutdownEngine):
             self.shutdown_requested = True
+        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+            result = lora_control(self.lora, msg, self._lora_users, self.scheduler.lora)
+            if result is not None:
+                self._send_frontend(result)
 
     def _add_request(self, msg: AddRequest) -> None:
         job = msg.job if isinstance(msg, AddJobRequest) else None
@@ -290,6 +323,9 @@ class EngineCore:
         if msg.request_id in self.inflight:
             # Don't touch the first request: only the duplicate is refused.
             self._reject(msg.request_id, f"request id {msg.request_id!r} is already in flight")
+            return
+        if msg.lora is not None and self.lora is None:
+            self._reject(msg.request_id, NOT_ENABLED)
             return
         err = (
             validate_sampling(msg.sampling_params)
@@ -309,9 +345,25 @@ class EngineCore:
             msg.arrival_time or time.time(),
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            lora=msg.lora,
             **job_fields(job),
         )
-        if msg.sampling_params.structured_outputs is not None:
+        if self.lora is not None and req.lora is not None:
+            # held until every rank has its adapter (None), or refused (the reason)
+            routed = self.lora.route(req)
+            if routed is None:
+                return
+            if isinstance(routed, str):
+                self.inflight.discard(req.request_id)
+                self._reject(req.request_id, routed)
+                return
+        self._admit(req)
+
+    def _lora_users(self) -> Iterable[Request]:
+        return chain(self.grammars.requests(), self.scheduler.requests.values())
+
+    def _admit(self, req: Request) -> None:
+        if req.sampling_params.structured_outputs is not None:
             # held until every rank compiled its grammar, so no step ever waits for one
             self.link.pub.send(self.encoder.encode(self.grammars.hold(req)))
         else:
@@ -335,7 +387,8 @@ class EngineCore:
             last_seen_s=[now - t for t in self.link.last_seen],
             steps=self.steps,
             num_running=int(stats.get("num_running", 0)),
-            num_waiting=int(stats.get("num_waiting", 0)) + len(self.grammars),
+            num_waiting=int(stats.get("num_waiting", 0)) + len(self.grammars)
+            + (self.lora.num_held if self.lora is not None else 0),
             kv_usage=float(stats.get("kv_usage", 0.0)),
             stats=stats,
         )
@@ -360,6 +413,8 @@ class EngineCore:
         scheduler: Scheduler | None = getattr(self, "scheduler", None)  # None before handshake
         if scheduler is not None:
             scheduler.close()  # finishes the scheduler trace file
+        if self.lora is not None:
+            self.lora.close()
         try:
             self.link.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:

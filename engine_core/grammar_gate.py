@@ -16,7 +16,7 @@ broadcast and one answer per rank per constrained request, nothing per step.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine_core.request import Request
@@ -41,6 +41,10 @@ class GrammarGate:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
+
+    def requests(self) -> Iterator[Request]:
+        """The requests held here."""
+        return (h.request for h in self._held.values())
 
     def hold(self, request: Request) -> PrepareGrammar:
         """Hold ``request``; the returned message asks every rank to compile its grammar."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.codec import pack
+from protocol.lora import LoRARequest
 from protocol.messages import SamplingParams
 
 # Hash of one full block; bytes (sha256) or int (fast), see kv_cache_hashing.
@@ -83,6 +84,10 @@ class Request:
         "job_id",
         "is_last_step",
         "tool_name",
+        "lora",
+        "lora_int_id",
+        "lora_hash",
+        "lora_skips",
     )
 
     def __init__(
@@ -97,8 +102,17 @@ class Request:
         job_id: str | None = None,
         is_last_step: bool = False,
         tool_name: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # the LoRA adapter it runs with (None: the base model); lora_int_id is 0 for the base
+        # model; lora_hash, the adapter's content hash, is set by the adapter registry before
+        # the request reaches the scheduler (it enters the prefix-cache block hashes)
+        self.lora = lora
+        self.lora_int_id = 0 if lora is None else lora.lora_int_id
+        self.lora_hash = ""
+        # admission passes that skipped it for want of an adapter slot (engine_core/lora/)
+        self.lora_skips = 0
         # the agent program this request is a turn of (continuum policy); None: no job
         self.job_id = job_id
         self.is_last_step = is_last_step

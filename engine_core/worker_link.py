@@ -15,7 +15,7 @@ import zmq
 from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
 from protocol.liveness import process_running
-from protocol.messages import GrammarReady, HealthPing, WorkerError
+from protocol.messages import GrammarReady, HealthPing, LoRAReady, WorkerError
 from protocol.transport import Endpoints, make_socket, recv_frame
 
 PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
@@ -51,6 +51,8 @@ class WorkerLink:
         # the ranks' answers to PrepareGrammar, whichever read found them (mid-step or idle);
         # the core settles them between steps (engine_core.grammar_gate)
         self.grammar_replies: list[GrammarReady] = []
+        # the ranks' answers to PrepareLoRA, settled the same way (engine_core.lora.registry)
+        self.lora_replies: list[LoRAReady] = []
 
     def close(self) -> None:
         self.pub.close(0)
@@ -75,6 +77,8 @@ class WorkerLink:
             self.last_seen[rank] = time.monotonic()
         if isinstance(msg, GrammarReady):
             self.grammar_replies.append(msg)
+        elif isinstance(msg, LoRAReady):
+            self.lora_replies.append(msg)
         return msg
 
     def drain(self) -> None:

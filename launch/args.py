@@ -10,6 +10,7 @@ import argparse
 import re
 from typing import Any
 
+from launch.lora_modules import parse_lora_module, resolve_lora_options
 from protocol.config import EngineConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -134,9 +135,31 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
                    "the TTL learned from tool-call gaps (an experiment knob)")
     g.add_argument("--continuum-max-ttl", type=float, default=d.continuum_max_ttl,
                    metavar="SECONDS", help="continuum policy: cap on any pin's TTL")
+    add_lora_args(p)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("LoRA adapters (vLLM's flags)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories) over the base model, mixed in "
+                   "one batch")
+    g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help="adapters registered at start-up: name=path or "
+                   '\'{"name": ..., "path": ..., "base_model_name": ...}\'; they get ids 1, '
+                   "2, ... (an adapter the ranks refuse stops the start-up)")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters in one step (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank (slot width); default: the largest rank among "
+                   "--lora-modules, else 16")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters each rank keeps in host memory (>= --max-loras; default: "
+                   "--max-loras)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig keyword arguments (minus model and TP size) found in parsed args."""
     fields = set(EngineConfig.__struct_fields__) - {"model", "tensor_parallel_size"}
-    return {k: v for k, v in vars(args).items() if k in fields}
+    return resolve_lora_options({k: v for k, v in vars(args).items() if k in fields})

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from engine_core.lora.registry import identity_error
 from engine_core.validation import validate_job, validate_priority, validate_sampling
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
+from protocol.lora import LoRARequest
 from protocol.messages import (
     AbortRequests,
     AddJobRequest,
@@ -32,10 +34,13 @@ from protocol.messages import (
     HealthReport,
     HealthRequest,
     JobInfo,
+    LoadLoRA,
+    LoRAResult,
     ProfileRequest,
     RequestOutput,
     SamplingParams,
     ShutdownEngine,
+    UnloadLoRA,
 )
 from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env
 
@@ -75,6 +80,9 @@ class EngineClient:
         self.ready_event = threading.Event()
         self.dead_reason: str | None = None
         self.replies: queue.Queue[msgspec.Struct] = queue.Queue()
+        # callers waiting for a LoRAResult, by adapter name, oldest first (answers come in
+        # the order the engine got the asks)
+        self._lora_waiters: dict[str, list[queue.Queue[LoRAResult]]] = {}
         self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._recv_loop, name="tandem-outputs", daemon=True)
@@ -99,6 +107,7 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         job: JobInfo | None = None,
+        lora: LoRARequest | None = None,
     ) -> Tracked:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -111,6 +120,8 @@ class EngineClient:
         # the engine core's own checks, first here: a value msgpack cannot carry (an int past
         # 64 bits) would otherwise raise in the encoder instead of failing this request
         err = validate_sampling(params) or validate_priority(priority) or validate_job(job)
+        if err is None and lora is not None:
+            err = identity_error(lora)
         if err is not None:
             self._finish_locally(tr, err)
             return tr
@@ -120,7 +131,7 @@ class EngineClient:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
         fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
-                      priority=priority, cache_salt=cache_salt, arrival_time=now)
+                      priority=priority, cache_salt=cache_salt, arrival_time=now, lora=lora)
         self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
         return tr
 
@@ -144,6 +155,44 @@ class EngineClient:
         if enable:
             return None
         return self._reply(EngineStats, timeout_s)
+
+    def load_lora(self, lora: LoRARequest, timeout_s: float = 600.0) -> LoRAResult:
+        """Register an adapter; the answer comes once every rank has read it."""
+        err = identity_error(lora)
+        if err is not None:
+            return LoRAResult(lora_name=lora.lora_name, error=err)
+        return self._lora_call(lora.lora_name, LoadLoRA(lora), timeout_s)
+
+    def unload_lora(self, lora_name: str, timeout_s: float = 30.0) -> LoRAResult:
+        """Forget an adapter (refused with ``in_use`` while requests use it)."""
+        return self._lora_call(lora_name, UnloadLoRA(lora_name), timeout_s)
+
+    def _lora_call(self, name: str, msg: msgspec.Struct, timeout_s: float) -> LoRAResult:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        box: queue.Queue[LoRAResult] = queue.Queue()
+        with self.tracked_lock:
+            self._lora_waiters.setdefault(name, []).append(box)
+        try:
+            self._send(msg)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    return box.get(timeout=0.1)
+                except queue.Empty:
+                    if self.dead_reason is not None:
+                        raise EngineDeadError(self.dead_reason) from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"no answer from the engine about LoRA adapter {name!r} in "
+                            f"{timeout_s} s") from None
+        finally:
+            with self.tracked_lock:
+                boxes = self._lora_waiters.get(name, [])
+                if box in boxes:
+                    boxes.remove(box)
+                if not boxes:
+                    self._lora_waiters.pop(name, None)
 
     def _reply(self, kind: type, timeout_s: float):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + timeout_s
@@ -183,6 +232,11 @@ class EngineClient:
                 self.ready_event.set()
             elif isinstance(msg, EngineDead):
                 self.mark_dead(msg.reason)
+            elif isinstance(msg, LoRAResult):
+                with self.tracked_lock:
+                    boxes = self._lora_waiters.get(msg.lora_name)
+                    if boxes:
+                        boxes.pop(0).put(msg)
             else:
                 self.replies.put(msg)
 

@@ -12,6 +12,7 @@ import msgspec
 
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
 from launch.jobs import job_infos
+from launch.lora_modules import LoRAArg, per_prompt_loras, resolve_lora_options
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
     ProcessGroup,
@@ -23,6 +24,7 @@ from launch.processes import (
     start_workers as start_local_workers,
 )
 from protocol.config import EngineConfig, config_error
+from protocol.lora import LoRARequest
 from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
@@ -38,6 +40,7 @@ def _engine_config(model: str, tensor_parallel_size: int, options: dict[str, Any
         raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(ENGINE_OPTIONS)}")
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    options = resolve_lora_options(options)  # the default max_lora_rank, module ids
     config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
     err = config_error(config)
     if err is not None:
@@ -117,6 +120,8 @@ class LLM:
             self.client = EngineClient(endpoints, self.config.max_frame_bytes)
             self.tokenizer = self._load_tokenizer() if load_tokenizer else None
             self._wait_ready(startup_timeout_s)
+            for lora in self.config.lora_modules:  # an adapter the ranks refuse stops start-up
+                self.add_lora(lora, startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -175,6 +180,22 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest, timeout_s: float = 600.0) -> None:
+        """Register an adapter now (requests may also name one it has never seen: the engine
+        registers it then); returns once every rank has read it. ValueError with the reason
+        when it is refused."""
+        result = self._client().load_lora(lora_request, timeout_s)
+        if result.error:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} refused: {result.error}")
+
+    def remove_lora(self, lora_name: str, timeout_s: float = 30.0) -> None:
+        """Unload an adapter by name; ValueError while requests use it or when unknown."""
+        result = self._client().unload_lora(lora_name, timeout_s)
+        if result.error:
+            raise ValueError(result.error)
+
     # ------------------------------------------------------------------ requests
 
     def _client(self) -> EngineClient:
@@ -206,8 +227,10 @@ class LLM:
         priority: Sequence[int] | None,
         cache_salt: str | None,
         jobs: Sequence[JobInfo | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         client = self._client()
+        loras = per_prompt_loras(lora_request, len(prompts), self.config.enable_lora)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -232,6 +255,7 @@ class LLM:
                 priority=priority[i] if priority else 0,
                 cache_salt=cache_salt,
                 job=jobs[i] if jobs else None,
+                lora=loras[i],
             )
             results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
         return results
@@ -264,17 +288,20 @@ class LLM:
         job_id: str | Sequence[str | None] | None = None,
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         job_id / is_last_step / tool_name (one value, or one per prompt): the agent program
-        each prompt is a turn of, for --scheduling-policy continuum (see README)."""
+        each prompt is a turn of, for --scheduling-policy continuum (see README).
+        lora_request: a LoRARequest(name, int_id, path) for every prompt, or one (or None,
+        the base model) per prompt; needs enable_lora=True."""
         results: list[RequestOutput] = []
         bar = None
         jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
         try:
             for results, _, out in self._events(
-                prompts, sampling_params, priority, cache_salt, timeout_s, jobs
+                prompts, sampling_params, priority, cache_salt, timeout_s, jobs, lora_request
             ):
                 if bar is None and use_tqdm and len(results) > 1:
                     bar = _progress(len(results))
@@ -299,6 +326,7 @@ class LLM:
         job_id: str | Sequence[str | None] | None = None,
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> Iterator[StreamEvent]:
         """Yield new tokens (and text deltas) of every prompt as they are generated.
 
@@ -307,7 +335,7 @@ class LLM:
         detoks: list[Any] | None = None
         jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
         for results, tr, out in self._events(
-            prompts, sampling_params, priority, cache_salt, timeout_s, jobs
+            prompts, sampling_params, priority, cache_salt, timeout_s, jobs, lora_request
         ):
             if detoks is None:
                 detoks = self._detokenizers(results)
@@ -332,6 +360,7 @@ class LLM:
         cache_salt: str | None,
         timeout_s: float | None,
         jobs: list[JobInfo | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> Iterator[tuple[list[RequestOutput], Tracked, WireOutput]]:
         """The one receive loop behind generate() and generate_stream().
 
@@ -340,7 +369,7 @@ class LLM:
         """
         sink: Sink = queue.Queue()
         results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt,
-                               jobs)
+                               jobs, lora_request)
         pending = len(results)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:

@@ -29,6 +29,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lora_wire import wire as lora_wire  # noqa: E402
 from structured_wire import bitmask_bytes, wire  # noqa: E402
 
 from engine_core.request import Request  # noqa: E402
@@ -312,6 +313,8 @@ def main() -> None:
     # structured outputs at batch 64 on dummy:tiny's vocabulary: worker-side matchers keep the
     # decode diff as is; a scheduler-side matcher would ship every constrained request's mask
     so_wire = wire(STRUCTURED_VOCAB, STRUCTURED_BATCH)
+    # LoRA adapters: per adapter, per load, per request, and the decode step with adapters
+    lw = lora_wire()
 
     print(f"{'message':<18} {'field':<26} {'median B':>9} {'p99 B':>9}   (mixed workload)")
     for kind, field, med, p99 in per_field_table(mixed):
@@ -333,6 +336,15 @@ def main() -> None:
          so_wire["decode_diff_bytes"], ""),
         ("structured decode diff, scheduler-side bitmask",
          so_wire["decode_diff_bytes_scheduler_side"], ""),
+        ("LoRA PrepareLoRA per adapter (to every rank)", lw["prepare_lora_bytes"], ""),
+        ("LoRA LoRAReady per adapter and rank", lw["lora_ready_bytes"], ""),
+        ("LoRA LoRASlotOp per load", lw["slot_op_bytes"], ""),
+        ("LoRA base request extra bytes", lw["base_request_extra_bytes"], "0"),
+        ("LoRA adapter request extra bytes (pair)", lw["adapter_request_extra_bytes"], ""),
+        (f"LoRA decode step, batch {int(lw['decode_batch'])} base",
+         lw["decode_step_bytes_base"], ""),
+        (f"LoRA decode step, {int(lw['decode_num_adapters'])} adapters",
+         lw["decode_step_bytes_adapters"], "= base"),
     ]
     for name, value, target in figures:
         print(f"{name:<45} {value!s:>9} {target:>9}")
@@ -361,6 +373,7 @@ def main() -> None:
             "structured_new_request_bytes_constrained": so_wire["new_request_bytes_constrained"],
             "structured_prepare_grammar_bytes": so_wire["prepare_grammar_bytes"],
             "structured_grammar_ready_bytes": so_wire["grammar_ready_bytes"],
+            **{f"lora_{k}": v for k, v in lw.items()},
             "broadcast_us": {
                 str(n): {"p50": round(pct(v, 50), 1), "p99": round(pct(v, 99), 1)}
                 for n, v in bcast.items()

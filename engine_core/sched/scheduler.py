@@ -23,6 +23,7 @@ from itertools import chain
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_offload import KVOffloadManager
 from engine_core.kv_offload.scheduling import OffloadScheduling
+from engine_core.lora.slots import LoRASlots
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.sched import update
 from engine_core.sched.admission import Admission, full_len
@@ -88,6 +89,8 @@ class Scheduler(RunningPass, Admission):
         self.continuum: Continuum | None = None
         if self.policy == "continuum":
             self.continuum = Continuum(config, self.kv_cache_manager, clock, offload is not None)
+        # the LoRA adapter slots (engine_core/lora/slots.py); None without enable_lora
+        self.lora: LoRASlots | None = LoRASlots(config.max_loras) if config.enable_lora else None
         self.waiting = create_request_queue(
             self.policy, self.continuum.program_key if self.continuum is not None else None
         )
@@ -200,8 +203,11 @@ class Scheduler(RunningPass, Admission):
 
     def free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
-        if self.reserve_full_isl and req.status == RUNNING:
-            self._full_blocks -= self.kv_cache_manager.max_blocks(full_len(req))
+        if req.status == RUNNING:
+            if self.reserve_full_isl:
+                self._full_blocks -= self.kv_cache_manager.max_blocks(full_len(req))
+            if self.lora is not None and req.lora is not None:
+                self.lora.release(req)
         req.status = status
         if self.trace is not None:
             self.trace.on_finish(req, FINISH_REASONS[status])
@@ -220,7 +226,10 @@ class Scheduler(RunningPass, Admission):
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        """Requests to run, or (with LoRA) a slot operation the ranks must still be sent: an
+        unloaded adapter's slot is emptied by a step of its own when nothing else runs."""
+        return (bool(self.running) or bool(self.waiting)
+                or (self.lora is not None and bool(self.lora.ops)))
 
     # ------------------------------------------------------------------ one step
 
@@ -239,7 +248,8 @@ class Scheduler(RunningPass, Admission):
         if diff.spec:
             self.spec_by_step[step_id] = diff.spec
         finished, self._finished_handles = self._finished_handles, []
-        so = diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups)
+        so = diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups,
+                        self.lora.take_ops() if self.lora is not None else None)
         if self.kv_offload is not None:
             # once per step, after every allocation and preemption of it
             so.kv_transfers = self.kv_offload.take_transfers()
@@ -278,6 +288,7 @@ class Scheduler(RunningPass, Admission):
             + self.num_accepted_tokens / max(1, self.num_spec_verifications),
             **(self.kv_offload.stats() if self.kv_offload is not None else {}),
             **(self.continuum.stats() if self.continuum is not None else {}),
+            **(self.lora.stats() if self.lora is not None else {}),
         }
 
     def close(self) -> None:
@@ -298,6 +309,8 @@ class Scheduler(RunningPass, Admission):
         check_scheduler_queues(
             self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs
         )
+        if self.lora is not None:
+            self.lora.check(self.running)
         for r in self.running:
             assert self.by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]
         held = sum(len(b) for b in kvm.held_tables())

@@ -22,6 +22,7 @@ from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
 from launch.serve.context import ServerContext
 from launch.serve.errors import APIError, bad_request, error_response, install_error_handlers
+from launch.serve.lora import install_lora_routes
 from launch.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -105,6 +106,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             }
             for name in ctx.served_names
         ]
+        data += ctx.adapters.model_cards(ctx.created, ctx.engine.max_model_len)
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions", dependencies=guarded)
@@ -148,4 +150,5 @@ def build_app(ctx: ServerContext) -> FastAPI:
             )
         return JSONResponse({"prompt": tok.decode(req.tokens)})
 
+    install_lora_routes(app, ctx, lambda r, m: parse_body(r, m, ctx.max_request_bytes), guarded)
     return app

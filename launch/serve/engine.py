@@ -16,6 +16,7 @@ from typing import Any
 
 from launch.client import Delivery, EngineClient, EngineDeadError
 from launch.llm import LLM
+from protocol.lora import LoRARequest
 from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 
@@ -74,6 +75,7 @@ class AsyncEngine:
         index: int,
         priority: int = 0,
         job: JobInfo | None = None,
+        lora: LoRARequest | None = None,
     ) -> float:
         """Send one request; its outputs go to `queue` tagged with `index`. Returns the
         arrival time (time.time()). Raises EngineDeadError, or ValueError for an id in flight."""
@@ -90,6 +92,7 @@ class AsyncEngine:
                 index=index,
                 priority=priority,
                 job=job,
+                lora=lora,
             )
         except BaseException:
             self._routes.pop(request_id, None)

@@ -27,6 +27,7 @@ from launch.serve.errors import APIError, bad_request
 from launch.serve.metrics import ServerMetrics
 from launch.serve.stop import StopChecker
 from protocol.codec import pack
+from protocol.lora import LoRARequest
 from protocol.messages import JobInfo, SamplingParams
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
@@ -81,8 +82,11 @@ class Generation:
         skip_special_tokens: bool,
         priority: int = 0,
         jobs: list[JobInfo | None] | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
+        self.lora = lora  # the adapter every choice runs with (None: the base model)
+        self.model_name = ""  # what responses report in `model`
         self.job = jobs[0] if jobs else None  # every choice is a turn of the same job
         self.metrics = metrics
         self.base_id = base_id
@@ -147,7 +151,7 @@ class Generation:
             try:
                 c.arrival = self.engine.submit(
                     c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority,
-                    self.job,
+                    self.job, self.lora,
                 )
                 c.submitted = True
             except EngineDeadError as e:

@@ -3,6 +3,10 @@
 Latency histograms and token counters are fed by the frontend as outputs arrive (engine
 timestamps); the running/waiting/KV gauges come from the engine core's health report, fetched
 when the metrics are scraped.
+
+Every metric carries one label value, the base model's served name, also for requests that
+ran with a LoRA adapter: adapters come and go at run time, and a label per adapter would grow
+the label sets without bound. The adapter slots are engine-wide gauges.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ _CONTINUUM_STATS = {
     "continuum_pin_expiries": "Pins released when their TTL ran out (total)",
     "continuum_pressure_releases": "Pins released to make room (total)",
     "continuum_tokens_saved": "Prompt tokens a claimed pin spared a prefill (total)",
+}
+
+# the LoRA adapter slots (engine totals from the health report; absent without --enable-lora)
+_LORA_STATS = {
+    "lora_max_loras": "Device slots for LoRA adapters (--max-loras)",
+    "lora_slots_used": "Slots holding an adapter",
+    "lora_running_adapters": "Adapters of running requests (at most --max-loras)",
+    "lora_loads": "Adapters loaded into a slot (total)",
+    "lora_evictions": "Adapters evicted from a slot for another (total)",
+    "lora_skips": "Admission passes that skipped a request for want of a slot (total)",
 }
 
 
@@ -68,6 +82,9 @@ class ServerMetrics:
             key: Gauge(f"tandem:{key}", doc, labels, registry=r)
             for key, doc in _CONTINUUM_STATS.items()
         }
+        self.lora = {
+            key: Gauge(f"tandem:{key}", doc, labels, registry=r) for key, doc in _LORA_STATS.items()
+        }
         self._labels = {"model_name": model_name}
         self._ttft = self.ttft.labels(**self._labels)
         self._itl = self.itl.labels(**self._labels)
@@ -104,7 +121,7 @@ class ServerMetrics:
             self.running.labels(**self._labels).set(report.num_running)
             self.waiting.labels(**self._labels).set(report.num_waiting)
             self.kv_usage.labels(**self._labels).set(report.kv_usage)
-            for key, gauge in self.continuum.items():
+            for key, gauge in (self.continuum | self.lora).items():
                 if key in report.stats:
                     gauge.labels(**self._labels).set(report.stats[key])
         self.in_flight.labels(**self._labels).set(in_flight)

@@ -24,6 +24,11 @@ CASES = {
             "broadcast_p99_us",
             "structured_decode_diff_bytes",
             "structured_decode_diff_bytes_scheduler_side",
+            "lora_prepare_lora_bytes",
+            "lora_slot_op_bytes",
+            "lora_base_request_extra_bytes",
+            "lora_adapter_request_extra_bytes",
+            "lora_decode_step_bytes_adapters",
         ],
     ),
     "bench_scheduler.py": (
