@@ -106,15 +106,26 @@ class CudaGraphRunner:
                     len(self.plan.decode), self.plan.tokens_per_req, len(self.plan.mixed),
                     self.plan.max_tokens(), time.perf_counter() - start, used / 2**20)
 
-    def run(self, inputs: BatchInputs) -> tuple[torch.Tensor, np.ndarray]:
-        """Fill the captured buffers with this step (padded to its bucket) and replay.
-        Returns the padded hidden states and the step's logits indices into them."""
+    def stage(self, inputs: BatchInputs) -> tuple[Bucket, torch.Tensor, np.ndarray]:
+        """Fill the captured buffers with this step, padded to its bucket. Returns the bucket,
+        the device input ids (still writable before the replay) and the step's logits
+        indices into the padded hidden states."""
         bucket = self.plan.choose(inputs)
         assert bucket is not None and bucket in self.graphs
         if bucket.decode:  # requests with fewer drafts than K get padding tokens
             inputs, _ = pad_to_uniform(inputs, self.plan.tokens_per_req, self.block_size)
-        self.staging.stage(inputs, num_tokens=bucket.num_tokens, num_reqs=bucket.num_reqs,
-                           for_graph=True)
+        ids, _, _ = self.staging.stage(inputs, num_tokens=bucket.num_tokens,
+                                       num_reqs=bucket.num_reqs, for_graph=True)
+        return bucket, ids, inputs.logits_indices
+
+    def replay(self, bucket: Bucket) -> torch.Tensor:
+        """Run a staged step; returns its (padded) hidden states."""
         graph, hidden = self.graphs[bucket]
         graph.replay()
-        return hidden, inputs.logits_indices
+        return hidden
+
+    def run(self, inputs: BatchInputs) -> tuple[torch.Tensor, np.ndarray]:
+        """Stage and replay at once. Returns the padded hidden states and the step's logits
+        indices into them."""
+        bucket, _, logits_indices = self.stage(inputs)
+        return self.replay(bucket), logits_indices
