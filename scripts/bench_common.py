@@ -223,6 +223,8 @@ def scheduler_summary(
 
     out: dict[str, Any] = {
         "async_scheduling": bool(getattr(args, "async_scheduling", False)),
+        # as asked: null = the default (on with async scheduling on CUDA)
+        "worker_overlap": getattr(args, "worker_overlap", None),
         "num_preemptions": int(delta("num_preemptions")),
     }
     if getattr(args, "speculative_ngram", 0):
