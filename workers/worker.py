@@ -1,5 +1,8 @@
 """The worker process: receive diff -> apply -> forward -> sample -> (rank 0) send tokens.
 
+With worker overlap (workers/overlap.py) the next diff is received and applied while the
+device still runs the step before, whose tokens are sent just before the next launch.
+
 Every rank runs this same loop. Started by the launcher, or by the real `torchrun`
 (`torchrun --nproc-per-node 2 -m workers`): it reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT, plus TANDEM_CONFIG (engine options as JSON) and TANDEM_ENDPOINTS (where the engine core

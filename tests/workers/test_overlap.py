@@ -25,13 +25,14 @@ class Gate:
 
 @pytest.fixture
 def pair():  # type: ignore[no-untyped-def]
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # its own: inproc names live as long as their context
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.bind("inproc://overlap-test")
     b.connect("inproc://overlap-test")
     yield a, b
     a.close(0)
     b.close(0)
+    ctx.term()
 
 
 def test_a_frame_while_busy_then_the_wake_up_when_done(pair) -> None:  # type: ignore[no-untyped-def]

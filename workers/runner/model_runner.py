@@ -81,6 +81,7 @@ class ModelRunner:
         # requests preempted by diffs applied since the last finish: their saved tokens may
         # hold a sentinel of the step in flight
         self._parked: list[int] = []
+        self._unfinished: InFlightStep | None = None  # launched, not finished
         self.input_batch: InputBatch | None = None
         # CUDA only: pinned staging buffers (CPU tensors from numpy are already zero-copy) and
         # the decode-step graphs.
@@ -263,6 +264,9 @@ class ModelRunner:
         A step may be in flight meanwhile: its rows hold sentinels for their sampled tokens,
         which the device inputs take from its sampled tensor (pending_tokens.py)."""
         assert self.input_batch is not None
+        if self._unfinished is not None and not self._unfinished.overlappable:
+            raise RuntimeError("a step that cannot overlap must finish before the next is "
+                               "prepared")
         t0 = time.perf_counter()
         batch = self.input_batch
         # new requests failing here belong to this step's output, not the one in flight's
@@ -293,6 +297,8 @@ class ModelRunner:
         """Queue the step's forward and sampling, and the copy of its tokens to the host.
         The step before must be finished (its tokens on the host)."""
         assert self.input_batch is not None and self.model is not None
+        if self._unfinished is not None:
+            raise RuntimeError("the step before must finish before the next launches")
         batch = self.input_batch
         so, inputs = step.so, step.inputs
         transfer = self.token_copy.begin()
@@ -306,7 +312,7 @@ class ModelRunner:
             spent = offload.apply_seconds
             offload.apply(so.kv_transfers, self._k_caches, self._v_caches)
             copy_us = (offload.apply_seconds - spent) * 1e6
-        flight = InFlightStep(so, step.prep_us, transfer, copy_us=copy_us)
+        flight = self._unfinished = InFlightStep(so, step.prep_us, transfer, copy_us=copy_us)
         if inputs is None:
             self.token_copy.start(transfer, None, None)
             return flight
@@ -347,7 +353,8 @@ class ModelRunner:
 
     def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
         """Wait for the step's tokens, write them into the batch and build its output."""
-        assert self.input_batch is not None
+        assert self.input_batch is not None and flight is self._unfinished
+        self._unfinished = None
         batch = self.input_batch
         sampled, lp = flight.transfer.wait()
         t0 = time.perf_counter()
