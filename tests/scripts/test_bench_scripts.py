@@ -139,6 +139,8 @@ def test_bench_throughput_breakdown_profile_tp2(tmp_path: Any, no_leftovers: Non
     assert res["output_tokens"] == 16 and res["input_tokens"] == 32
     assert 0.0 <= res["non_forward_fraction"] <= 1.0
     assert res["steps"] >= 4 and res["worker_forward_median_us"] > 0
+    # rank 0's host time between launches: on CPU none of it hides behind the device
+    assert res["worker_exposed_median_us"] > 0 and res["worker_hidden_fraction"] == 0.0
     timeline = json.loads((prof / "step_timeline.json").read_text())
     assert timeline["columns"] == bench_common.COLUMNS
     assert len(timeline["rows"]) == res["steps"]

@@ -50,6 +50,7 @@ class RunnerWorker:
         self.overlapped = 0
         self.preempted_in_flight = 0
         self.finished_in_flight = 0
+        self.resumed_in_flight = 0
 
     def publish(self, so: SchedulerOutput) -> None:
         self.inbox.append(self._dec.decode(self._enc.encode(so)))
@@ -74,6 +75,7 @@ class RunnerWorker:
                 self.overlapped += 1
                 self.preempted_in_flight += len(in_flight & set(unpack(so.preempted_handles)))
                 self.finished_in_flight += len(in_flight & set(unpack(so.finished_handles)))
+                self.resumed_in_flight += len(so.resumed_reqs)
                 self._finish()
             self.flight = self.runner.launch(step)
             if not (self.overlap and self.flight.overlappable):
@@ -179,5 +181,5 @@ def test_overlap_order_gives_the_plain_order_tokens(structured: bool, tok_dir: s
     assert stats["num_preemptions"] > 0 and stats["kv_offload_bytes_host_to_device"] > 0
     assert worker.overlapped > 10 and worker.finished_in_flight > 0
     if not structured:
-        assert worker.preempted_in_flight > 0
+        assert worker.preempted_in_flight > 0 and worker.resumed_in_flight > 0
         assert sum(len(lp) for _, lp in plain.values()) > 0  # logprobs compared too
