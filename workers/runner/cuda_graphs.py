@@ -123,9 +123,3 @@ class CudaGraphRunner:
         graph, hidden = self.graphs[bucket]
         graph.replay()
         return hidden
-
-    def run(self, inputs: BatchInputs) -> tuple[torch.Tensor, np.ndarray]:
-        """Stage and replay at once. Returns the padded hidden states and the step's logits
-        indices into them."""
-        bucket, _, logits_indices = self.stage(inputs)
-        return self.replay(bucket), logits_indices
