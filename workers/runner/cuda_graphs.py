@@ -4,7 +4,8 @@ Which graph a step takes and how its inputs are padded is decided in
 workers/runner/graph_buckets.py (pure, tested on CPU); this file only captures the buckets at
 start-up, largest first into one shared memory pool (smaller graphs reuse its memory), and
 replays them: a step fills the persistent input buffers (workers/runner/input_staging.py) in
-place, padded to its bucket, and replays.
+place, padded to its bucket (stage: with worker overlap while the step before still runs, the
+copies queued behind it), and replays (replay, at the step's launch).
 
 Capture needs a forward that never synchronises with the host and allocates nothing from the
 host side: the Triton attention backend is built that way. Under TP the NCCL all-reduces are
