@@ -100,6 +100,13 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
         help="schedule step k+1 while the workers run step k",
     )
     g.add_argument(
+        "--worker-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --async-scheduling: each rank prepares step k+1 while its device runs "
+        "step k (default: on with CUDA, off on CPU, where the ops are synchronous)",
+    )
+    g.add_argument(
         "--speculative-ngram",
         type=int,
         default=0,

@@ -55,6 +55,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_gpu_blocks_override: int | None = None  # force a KV capacity (tests of KV pressure)
     # plan step k+1 while the workers run step k (the in-flight token is a placeholder)
     async_scheduling: bool = False
+    # with async scheduling, a rank receives, applies and stages step k+1 while step k runs
+    # on its device, and step k's sampled tokens feed step k+1's input ids on the device
+    # (workers/overlap.py); None = on where it pays: async scheduling on a CUDA device
+    worker_overlap: bool | None = None
     # n-gram (prompt-lookup) speculative decoding: match the last n tokens, n from
     # speculative_ngram down to speculative_ngram_min, and propose the tokens that followed
     # the latest earlier match; 0 = off
@@ -101,6 +105,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     lora_modules: list[LoRARequest] = []
 
 
+def worker_overlap_on(config: EngineConfig, device_type: str) -> bool:
+    """Whether a rank on a device of this type overlaps its host work with the device's."""
+    if config.worker_overlap is not None:
+        return config.worker_overlap and config.async_scheduling
+    return config.async_scheduling and device_type == "cuda"
+
+
 def config_error(config: EngineConfig) -> str | None:
     """Why these options cannot work together, or None; checked before anything starts."""
     if config.attention_backend not in ("auto", "torch", "cpu", "triton"):
@@ -132,6 +143,9 @@ def config_error(config: EngineConfig) -> str | None:
     if config.speculative_ngram and config.async_scheduling:
         # The proposer needs the newest token, which async scheduling has not seen yet.
         return "async_scheduling and speculative decoding cannot be combined yet"
+    if config.worker_overlap and not config.async_scheduling:
+        # without it the core waits for step k's tokens before it sends step k+1
+        return "worker_overlap needs async_scheduling (--async-scheduling)"
     if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
     return _lora_error(config)

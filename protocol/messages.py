@@ -357,8 +357,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
     sampled_token_ids: bytes = b""  # packed int32, flattened
     logprobs: bytes = b""  # packed float32 (one per sampled token) when any request asked
     checksum: int | None = None  # hash of this rank's sampled tokens
-    # worker-side timings of this step in microseconds (prepare, forward, sample), for the
-    # host-overhead breakdown; empty when not collected
+    # worker-side timings of this step in microseconds, for the host-overhead breakdown:
+    # prepare (apply the diff, build and stage the inputs), forward (launch to tokens ready
+    # on the device), sample (the host's work on the tokens), then the host time before the
+    # launch hidden behind the step before on the device and not hidden
+    # (engine_core/step_timeline.py); empty when not collected
     timings_us: list[float] = []
     # disk -> host reads of the KV offload tiers settled this step (agreed by every rank)
     kv_load: KVLoadResult | None = None

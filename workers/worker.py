@@ -1,5 +1,8 @@
 """The worker process: receive diff -> apply -> forward -> sample -> (rank 0) send tokens.
 
+With worker overlap (workers/overlap.py) the next diff is received and applied while the
+device still runs the step before, whose tokens are sent just before the next launch.
+
 Every rank runs this same loop. Started by the launcher, or by the real `torchrun`
 (`torchrun --nproc-per-node 2 -m workers`): it reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT, plus TANDEM_CONFIG (engine options as JSON) and TANDEM_ENDPOINTS (where the engine core
@@ -16,13 +19,13 @@ import sys
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from protocol.codec import Encoder, ProtocolError, broadcast_decoder
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, worker_overlap_on
 from protocol.error_file import write_error_file
 from protocol.messages import (
     GrammarReady,
@@ -38,6 +41,10 @@ from protocol.messages import (
     WorkerReady,
 )
 from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env, tcp_endpoints
+from workers.overlap import DeviceWatch, HostClock
+
+if TYPE_CHECKING:
+    from workers.runner.step_flight import InFlightStep
 
 logger = logging.getLogger("tandem.worker")
 
@@ -112,6 +119,10 @@ class Worker:
         self.core_gone = False  # then nothing queued can be delivered: don't linger on exit
         # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them)
         self.grammar_tickets: dict[int, Future[Any]] = {}
+        # worker overlap (workers/overlap.py): the launched step whose tokens are not sent yet
+        self.overlap = worker_overlap_on(config, self.runner.device.type)
+        self.in_flight: InFlightStep | None = None
+        self.clock = HostClock()
 
     def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
         self.ctx = zmq.Context.instance()
@@ -119,6 +130,7 @@ class Worker:
         self.push = make_socket(
             self.ctx, zmq.PUSH, endpoints.results, bind=False, secret=secret, linger_ms=1000
         )
+        self.watch = DeviceWatch(self.sub, self.runner.device)
         cfg = self.runner.model_config
         self.push.send(
             self.encoder.encode(
@@ -150,7 +162,17 @@ class Worker:
         parent = os.getppid()
         last_heard = time.monotonic()
         while True:
-            frame = recv_frame(self.sub, GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS)
+            timeout = GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS
+            t0 = time.perf_counter()
+            if self.in_flight is not None:
+                # the next diff while the device runs the step in flight, else finish that
+                frame, device_done = self.watch.wait(timeout)
+            else:
+                frame, device_done = recv_frame(self.sub, timeout), False
+            self.clock.blocked(t0, time.perf_counter())
+            if device_done:
+                self.finish_in_flight()
+                continue
             if self.grammar_tickets:
                 self.answer_grammars()
             now = time.monotonic()
@@ -215,10 +237,34 @@ class Worker:
             signal.pause()
 
     def execute(self, so: SchedulerOutput) -> None:
+        """Prepare the step (behind the step in flight, if any), finish the step in flight,
+        launch this one; keep it in flight with overlap on, else finish it now."""
         self._maybe_inject_fault(so.step_id)
-        out = self.runner.execute(so)
-        self.last_step_id = so.step_id
-        if out is not None and (self.rank == 0 or self.config.enable_checksum):
+        step = self.runner.prepare(so)
+        if self.in_flight is not None:
+            self.finish_in_flight()
+        flight = self.runner.launch(step)
+        flight.hidden_us, flight.exposed_us = self.clock.launched(
+            flight.transfer.t_launch, time.perf_counter())
+        self.in_flight = flight
+        if self.overlap and flight.overlappable:
+            self.watch.arm(flight.transfer)
+        else:
+            self.finish_in_flight()
+
+    def finish_in_flight(self) -> None:
+        """Wait for the step in flight's tokens and send them (rank 0; every rank with
+        checksums)."""
+        flight = self.in_flight
+        assert flight is not None
+        self.in_flight = None
+        out = self.runner.finish(flight)
+        self.watch.disarm()
+        t = flight.transfer
+        self.clock.blocked(*t.waited)
+        self.clock.device_done(t.t_ready)
+        self.last_step_id = flight.so.step_id
+        if self.rank == 0 or self.config.enable_checksum:
             self.push.send(self.encoder.encode(out))
 
     def fail(self, message: str, tb: str) -> None:
@@ -276,6 +322,8 @@ def main() -> int:
             worker.fail(f"rank {rank}: {type(e).__name__}: {e}", tb)
         code = 1
     finally:
+        if worker is not None and hasattr(worker, "watch"):
+            worker.watch.close()
         if worker is not None:
             try:  # finish the KV offload tiers' copies and disk writes, stop their threads
                 worker.runner.close()
