@@ -15,7 +15,7 @@ import zmq
 from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
 from protocol.liveness import process_running
-from protocol.messages import GrammarReady, HealthPing, WorkerError
+from protocol.messages import GrammarReady, HealthPing, HealthPong, WorkerError
 from protocol.transport import Endpoints, make_socket, recv_frame
 
 PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
@@ -51,6 +51,8 @@ class WorkerLink:
         # the ranks' answers to PrepareGrammar, whichever read found them (mid-step or idle);
         # the core settles them between steps (engine_core.grammar_gate)
         self.grammar_replies: list[GrammarReady] = []
+        # each rank's map sizes from its latest pong (workers/census.py), for the census
+        self.rank_census: dict[int, dict[str, int]] = {}
 
     def close(self) -> None:
         self.pub.close(0)
@@ -75,6 +77,8 @@ class WorkerLink:
             self.last_seen[rank] = time.monotonic()
         if isinstance(msg, GrammarReady):
             self.grammar_replies.append(msg)
+        elif isinstance(msg, HealthPong) and 0 <= msg.rank < self.world_size:
+            self.rank_census[msg.rank] = msg.census
         return msg
 
     def drain(self) -> None:

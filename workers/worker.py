@@ -38,6 +38,7 @@ from protocol.messages import (
     WorkerReady,
 )
 from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env, tcp_endpoints
+from workers.census import worker_census
 
 logger = logging.getLogger("tandem.worker")
 
@@ -181,9 +182,9 @@ class Worker:
                 if msg.nonce < 0:  # start-up sync ping: say this SUB socket is live
                     self.send(WorkerReady(rank=self.rank, nonce=msg.nonce))
                 else:
-                    self.send(
-                        HealthPong(rank=self.rank, nonce=msg.nonce, last_step_id=self.last_step_id)
-                    )
+                    self.send(HealthPong(rank=self.rank, nonce=msg.nonce,
+                                         last_step_id=self.last_step_id,
+                                         census=worker_census(self)))
             elif isinstance(msg, Shutdown):
                 return 0
             elif isinstance(msg, ProfileControl):
