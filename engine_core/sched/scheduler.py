@@ -222,6 +222,10 @@ class Scheduler(RunningPass, Admission):
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
+    def has_handles_to_forget(self) -> bool:
+        """Finished requests the workers still hold: the next step's diff lists them."""
+        return bool(self._finished_handles)
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
