@@ -4,7 +4,8 @@ A background thread owns the PULL socket and hands each engine message's Request
 sinks of their requests, one list per sink and message: a per-output hand-off cost a thread
 wake-up and a GIL switch per request per step. Callers own no socket. When the engine dies
 (EngineDead, or a process the supervisor saw exit) every unfinished request gets finish_reason
-"error" with the cause.
+"error" with the cause. Every request passes the bound on waiting requests (launch/admission.py)
+before it is sent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 import zmq
 
 from engine_core.validation import validate_job, validate_priority, validate_sampling
+from launch.admission import QueueBound, Ticket
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.messages import (
     AbortRequests,
@@ -61,7 +63,8 @@ class Tracked:
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024,
+                 max_queued_requests: int | None = None) -> None:
         secret = secret_from_env()
         self.ctx = zmq.Context.instance()
         self.push = make_socket(self.ctx, zmq.PUSH, endpoints.requests, bind=False, secret=secret)
@@ -75,6 +78,7 @@ class EngineClient:
         self.ready_event = threading.Event()
         self.dead_reason: str | None = None
         self.replies: queue.Queue[msgspec.Struct] = queue.Queue()
+        self.admission = QueueBound(max_queued_requests)
         self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._recv_loop, name="tandem-outputs", daemon=True)
@@ -82,9 +86,11 @@ class EngineClient:
 
     # ------------------------------------------------------------------ sending
 
-    def _send(self, msg: msgspec.Struct) -> None:
+    def _send(self, msg: msgspec.Struct, ticket: Ticket | None = None) -> None:
+        """Send one frame; with a ticket it is an AddRequest taking one of the ticket's slots."""
         with self.send_lock:  # the encoder's buffer and the socket are not thread-safe
             self.push.send(self.encoder.encode(msg))
+            self.admission.on_frame_sent(ticket)  # in send order, as the core reads them
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -99,9 +105,31 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         job: JobInfo | None = None,
+        ticket: Ticket | None = None,
     ) -> Tracked:
+        """Send one request. `ticket`: a slot held for it under the queue bound; without one,
+        a slot is taken here (QueueFullError when the queue is full)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if ticket is not None:
+            return self._add_request(request_id, prompt_token_ids, params, sink, index,
+                                     priority, cache_salt, job, ticket)
+        with self.admission.reserve(1) as own:
+            return self._add_request(request_id, prompt_token_ids, params, sink, index,
+                                     priority, cache_salt, job, own)
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink,
+        index: int,
+        priority: int,
+        cache_salt: str | None,
+        job: JobInfo | None,
+        ticket: Ticket,
+    ) -> Tracked:
         now = time.time()
         tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
         with self.tracked_lock:
@@ -121,7 +149,8 @@ class EngineClient:
             return tr
         fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
                       priority=priority, cache_salt=cache_salt, arrival_time=now)
-        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
+        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job),
+                   ticket)
         return tr
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -177,6 +206,7 @@ class EngineClient:
                 self.mark_dead(f"undecodable message from the engine core: {e}")
                 return
             if isinstance(msg, EngineOutputs):
+                self.admission.on_report(msg.frames_seen, msg.num_waiting)
                 self._dispatch(msg)
             elif isinstance(msg, EngineReady):
                 self.ready = msg
@@ -199,6 +229,13 @@ class EngineClient:
                 by_sink.setdefault(tr.sink, []).append((tr, out, ts))
         for sink, delivery in by_sink.items():
             sink.put(delivery)
+
+    def census(self) -> dict[str, int]:
+        """This object's maps that grow with client input (launch/census.py)."""
+        with self.tracked_lock:
+            tracked = len(self.tracked)
+        return {"client.tracked": tracked, "client.replies": self.replies.qsize(),
+                **self.admission.census()}
 
     def _finish_locally(self, tr: Tracked, reason: str) -> None:
         with self.tracked_lock:
