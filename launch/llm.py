@@ -223,7 +223,14 @@ class LLM:
         # QueueFullError before anything is tokenized or compiled, and nothing is sent
         with client.admission.reserve(len(prompts)) as ticket:
             if any(sp.structured_outputs is not None for sp in params):
-                params = self._grammars().prepare(params)  # ValueError for a bad constraint
+                try:
+                    params = self._grammars().prepare(params)  # ValueError for a bad one
+                except ValueError as e:
+                    # a failed compile is cached and its exception raised for every call
+                    # with that constraint, each raise adding frames to its traceback: start
+                    # it afresh, so it holds one caller's frames, not every caller's
+                    e.__traceback__ = None
+                    raise
             results: list[RequestOutput] = []
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
                 ids = self.encode(p)
