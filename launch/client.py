@@ -14,8 +14,9 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -79,6 +80,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.replies: queue.Queue[msgspec.Struct] = queue.Queue()
         self.admission = QueueBound(max_queued_requests)
+        self._health_nonces: set[int] = set()  # health calls waiting for their report
         self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._recv_loop, name="tandem-outputs", daemon=True)
@@ -159,8 +161,12 @@ class EngineClient:
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         nonce = int(time.monotonic_ns() & 0x7FFFFFFF)
-        self._send(HealthRequest(nonce))
-        return self._reply(HealthReport, timeout_s)
+        self._health_nonces.add(nonce)
+        try:
+            self._send(HealthRequest(nonce))
+            return self._reply(HealthReport, timeout_s, lambda r: r.nonce == nonce)
+        finally:
+            self._health_nonces.discard(nonce)
 
     def profile(
         self,
@@ -174,7 +180,8 @@ class EngineClient:
             return None
         return self._reply(EngineStats, timeout_s)
 
-    def _reply(self, kind: type, timeout_s: float):  # type: ignore[no-untyped-def]
+    def _reply(self, kind: type, timeout_s: float,  # type: ignore[no-untyped-def]
+               match: Callable[[Any], bool] | None = None):
         deadline = time.monotonic() + timeout_s
         while True:
             if self.dead_reason is not None:
@@ -187,8 +194,13 @@ class EngineClient:
                         f"no {kind.__name__} from the engine in {timeout_s} s"
                     ) from None
                 continue
-            if isinstance(msg, kind):
+            if isinstance(msg, kind) and (match is None or match(msg)):
                 return msg
+            if isinstance(msg, HealthReport) and msg.nonce in self._health_nonces:
+                self.replies.put(msg)  # another thread's answer
+                time.sleep(0.001)
+            # else: a report whose caller timed out (stale: it must answer nobody) or a reply
+            # nobody waits for
 
     # ------------------------------------------------------------------ receiving
 

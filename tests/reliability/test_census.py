@@ -118,3 +118,19 @@ def test_census_is_empty_after_aborts_closes_and_errors(llm: LLM) -> None:
     next(early)
     early.close()
     wait_empty(llm)
+
+
+def test_a_late_health_report_answers_nobody(llm: LLM) -> None:
+    """A report whose caller timed out is dropped, not handed to the next caller (which would
+    then leave its own report behind, and every later call would be one report late)."""
+    assert llm.client is not None
+    try:
+        llm.health(timeout_s=0.0)
+        timed_out = False
+    except TimeoutError:
+        timed_out = True
+    time.sleep(0.5)  # the late report arrives
+    llm.health()
+    time.sleep(0.5)  # and this call's own report, had the call taken the late one instead
+    if timed_out:
+        assert llm.client.replies.qsize() == 0
