@@ -113,25 +113,10 @@ class EngineClient:
         a slot is taken here (QueueFullError when the queue is full)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if ticket is not None:
-            return self._add_request(request_id, prompt_token_ids, params, sink, index,
-                                     priority, cache_salt, job, ticket)
-        with self.admission.reserve(1) as own:
-            return self._add_request(request_id, prompt_token_ids, params, sink, index,
-                                     priority, cache_salt, job, own)
-
-    def _add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        sink: Sink,
-        index: int,
-        priority: int,
-        cache_salt: str | None,
-        job: JobInfo | None,
-        ticket: Ticket,
-    ) -> Tracked:
+        if ticket is None:
+            with self.admission.reserve(1) as own:
+                return self.add_request(request_id, prompt_token_ids, params, sink, index,
+                                        priority, cache_salt, job, own)
         now = time.time()
         tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
         with self.tracked_lock:
