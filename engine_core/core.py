@@ -24,6 +24,7 @@ from itertools import chain
 import msgspec
 import zmq
 
+from engine_core.census import core_census
 from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
 from engine_core.handshake import build_scheduler, collect_hellos
@@ -106,6 +107,7 @@ class EngineCore:
         here = socket.gethostname()
         self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         self.scheduler = build_scheduler(self.config, hellos)
+        self.frontend.num_waiting = self.num_waiting
         h0 = hellos[0]
         self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
         self.vocab_size = h0.vocab_size
@@ -130,7 +132,8 @@ class EngineCore:
 
     def run(self) -> None:
         while not self.shutdown_requested:
-            busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+            busy = (self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+                    or self._to_forget())
             if busy:
                 self._poll_frontend(0)
             elif self.grammars or (self.lora is not None and self.lora.busy):
@@ -146,7 +149,7 @@ class EngineCore:
             if self.shutdown_requested:
                 break
             self._flush(self.scheduler.take_outputs())
-            if self.scheduler.has_unfinished_requests() or self.in_flight:
+            if self.scheduler.has_unfinished_requests() or self.in_flight or self._to_forget():
                 self.step()
 
     def step(self) -> None:
@@ -159,7 +162,8 @@ class EngineCore:
         """
         depth = 2 if self.config.async_scheduling else 1
         in_flight = self.in_flight
-        if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
+        if len(in_flight) < depth and (self.scheduler.has_unfinished_requests()
+                                       or self._to_forget()):
             t0 = time.perf_counter()
             so = self.scheduler.schedule()
             t1 = time.perf_counter()
@@ -200,6 +204,18 @@ class EngineCore:
             else:
                 timeout_ms = int(PING_INTERVAL_S * 1000)
             self._poll_frontend(timeout_ms)
+
+    def _to_forget(self) -> bool:
+        """Idle, but the workers still hold the state of requests that finished in the last
+        step: one step with nothing scheduled tells them (its finished_handles), so an idle
+        engine holds no request's state on any rank."""
+        return not self.in_flight and self.scheduler.has_handles_to_forget()
+
+    def num_waiting(self) -> int:
+        """Requests admitted but not running: the waiting queue (preempted ones included) and
+        those held until their grammar compiled or their LoRA adapter was read by every rank."""
+        held_lora = self.lora.num_held if self.lora is not None else 0
+        return len(self.scheduler.waiting) + len(self.grammars) + held_lora
 
     def _wait_frontend_or_workers(self, timeout_ms: int) -> None:
         """Idle but for held grammars: wake on a frontend message or a rank's answer, so a
@@ -387,10 +403,10 @@ class EngineCore:
             last_seen_s=[now - t for t in self.link.last_seen],
             steps=self.steps,
             num_running=int(stats.get("num_running", 0)),
-            num_waiting=int(stats.get("num_waiting", 0)) + len(self.grammars)
-            + (self.lora.num_held if self.lora is not None else 0),
+            num_waiting=self.num_waiting(),
             kv_usage=float(stats.get("kv_usage", 0.0)),
             stats=stats,
+            census=core_census(self),
         )
 
     # ------------------------------------------------------------------ shutdown

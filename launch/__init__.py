@@ -1,5 +1,6 @@
 """Launcher (`python -m launch`), process supervision and the Python API."""
 
+from launch.admission import QueueFullError
 from launch.llm import LLM
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from protocol.lora import LoRARequest
@@ -7,4 +8,4 @@ from protocol.messages import SamplingParams
 from protocol.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestMetrics",
-           "StreamEvent", "LoRARequest"]
+           "StreamEvent", "LoRARequest", "QueueFullError"]

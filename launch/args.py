@@ -137,6 +137,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     )
     g.add_argument("--enable-checksum", action="store_true")
     g.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="refuse new requests (HTTP 503 with Retry-After) while N are admitted "
+                   "but not yet running (default: unbounded)")
     g.add_argument("--continuum-ttl", type=float, default=None, metavar="SECONDS",
                    help="continuum policy: pin every finished turn for this long instead of "
                    "the TTL learned from tool-call gaps (an experiment knob)")

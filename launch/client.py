@@ -4,7 +4,8 @@ A background thread owns the PULL socket and hands each engine message's Request
 sinks of their requests, one list per sink and message: a per-output hand-off cost a thread
 wake-up and a GIL switch per request per step. Callers own no socket. When the engine dies
 (EngineDead, or a process the supervisor saw exit) every unfinished request gets finish_reason
-"error" with the cause.
+"error" with the cause. Every request passes the bound on waiting requests (launch/admission.py)
+before it is sent.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
 
 from engine_core.lora.registry import identity_error
 from engine_core.validation import validate_job, validate_priority, validate_sampling
+from launch.admission import QueueBound, Ticket
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.lora import LoRARequest
 from protocol.messages import (
@@ -66,7 +69,8 @@ class Tracked:
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024,
+                 max_queued_requests: int | None = None) -> None:
         secret = secret_from_env()
         self.ctx = zmq.Context.instance()
         self.push = make_socket(self.ctx, zmq.PUSH, endpoints.requests, bind=False, secret=secret)
@@ -83,6 +87,8 @@ class EngineClient:
         # callers waiting for a LoRAResult, by adapter name, oldest first (answers come in
         # the order the engine got the asks)
         self._lora_waiters: dict[str, list[queue.Queue[LoRAResult]]] = {}
+        self.admission = QueueBound(max_queued_requests)
+        self._health_nonces: set[int] = set()  # health calls waiting for their report
         self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._recv_loop, name="tandem-outputs", daemon=True)
@@ -90,9 +96,11 @@ class EngineClient:
 
     # ------------------------------------------------------------------ sending
 
-    def _send(self, msg: msgspec.Struct) -> None:
+    def _send(self, msg: msgspec.Struct, ticket: Ticket | None = None) -> None:
+        """Send one frame; with a ticket it is an AddRequest taking one of the ticket's slots."""
         with self.send_lock:  # the encoder's buffer and the socket are not thread-safe
             self.push.send(self.encoder.encode(msg))
+            self.admission.on_frame_sent(ticket)  # in send order, as the core reads them
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -108,9 +116,16 @@ class EngineClient:
         cache_salt: str | None = None,
         job: JobInfo | None = None,
         lora: LoRARequest | None = None,
+        ticket: Ticket | None = None,
     ) -> Tracked:
+        """Send one request. `ticket`: a slot held for it under the queue bound; without one,
+        a slot is taken here (QueueFullError when the queue is full)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if ticket is None:
+            with self.admission.reserve(1) as own:
+                return self.add_request(request_id, prompt_token_ids, params, sink, index,
+                                        priority, cache_salt, job, own)
         now = time.time()
         tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
         with self.tracked_lock:
@@ -132,7 +147,8 @@ class EngineClient:
             return tr
         fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
                       priority=priority, cache_salt=cache_salt, arrival_time=now, lora=lora)
-        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
+        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job),
+                   ticket)
         return tr
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -141,8 +157,12 @@ class EngineClient:
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         nonce = int(time.monotonic_ns() & 0x7FFFFFFF)
-        self._send(HealthRequest(nonce))
-        return self._reply(HealthReport, timeout_s)
+        self._health_nonces.add(nonce)
+        try:
+            self._send(HealthRequest(nonce))
+            return self._reply(HealthReport, timeout_s, lambda r: r.nonce == nonce)
+        finally:
+            self._health_nonces.discard(nonce)
 
     def profile(
         self,
@@ -194,7 +214,8 @@ class EngineClient:
                 if not boxes:
                     self._lora_waiters.pop(name, None)
 
-    def _reply(self, kind: type, timeout_s: float):  # type: ignore[no-untyped-def]
+    def _reply(self, kind: type, timeout_s: float,  # type: ignore[no-untyped-def]
+               match: Callable[[Any], bool] | None = None):
         deadline = time.monotonic() + timeout_s
         while True:
             if self.dead_reason is not None:
@@ -207,8 +228,13 @@ class EngineClient:
                         f"no {kind.__name__} from the engine in {timeout_s} s"
                     ) from None
                 continue
-            if isinstance(msg, kind):
+            if isinstance(msg, kind) and (match is None or match(msg)):
                 return msg
+            if isinstance(msg, HealthReport) and msg.nonce in self._health_nonces:
+                self.replies.put(msg)  # another thread's answer
+                time.sleep(0.001)
+            # else: a report whose caller timed out (stale: it must answer nobody) or a reply
+            # nobody waits for
 
     # ------------------------------------------------------------------ receiving
 
@@ -226,6 +252,7 @@ class EngineClient:
                 self.mark_dead(f"undecodable message from the engine core: {e}")
                 return
             if isinstance(msg, EngineOutputs):
+                self.admission.on_report(msg.frames_seen, msg.num_waiting)
                 self._dispatch(msg)
             elif isinstance(msg, EngineReady):
                 self.ready = msg
@@ -253,6 +280,13 @@ class EngineClient:
                 by_sink.setdefault(tr.sink, []).append((tr, out, ts))
         for sink, delivery in by_sink.items():
             sink.put(delivery)
+
+    def census(self) -> dict[str, int]:
+        """This object's maps that grow with client input (launch/census.py)."""
+        with self.tracked_lock:
+            tracked = len(self.tracked)
+        return {"client.tracked": tracked, "client.replies": self.replies.qsize(),
+                **self.admission.census()}
 
     def _finish_locally(self, tr: Tracked, reason: str) -> None:
         with self.tracked_lock:

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from launch.census import Census, assemble
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
 from launch.jobs import job_infos
 from launch.lora_modules import LoRAArg, per_prompt_loras, resolve_lora_options
@@ -117,7 +118,8 @@ class LLM:
                     master_port=port,
                 )
             self.group.watch()
-            self.client = EngineClient(endpoints, self.config.max_frame_bytes)
+            self.client = EngineClient(endpoints, self.config.max_frame_bytes,
+                                       self.config.max_queued_requests)
             self.tokenizer = self._load_tokenizer() if load_tokenizer else None
             self._wait_ready(startup_timeout_s)
             for lora in self.config.lora_modules:  # an adapter the ranks refuse stops start-up
@@ -240,24 +242,35 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        if any(sp.structured_outputs is not None for sp in params):
-            params = self._grammars().prepare(params)  # ValueError for a bad constraint
-        results: list[RequestOutput] = []
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            ids = self.encode(p)
-            rid = client.new_request_id()
-            tr = client.add_request(
-                rid,
-                ids,
-                sp,
-                sink,
-                index=i,
-                priority=priority[i] if priority else 0,
-                cache_salt=cache_salt,
-                job=jobs[i] if jobs else None,
-                lora=loras[i],
-            )
-            results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
+        # every prompt's slot under max_queued_requests first: a full queue is a
+        # QueueFullError before anything is tokenized or compiled, and nothing is sent
+        with client.admission.reserve(len(prompts)) as ticket:
+            if any(sp.structured_outputs is not None for sp in params):
+                try:
+                    params = self._grammars().prepare(params)  # ValueError for a bad one
+                except ValueError as e:
+                    # a failed compile is cached and its exception raised for every call
+                    # with that constraint, each raise adding frames to its traceback: start
+                    # it afresh, so it holds one caller's frames, not every caller's
+                    e.__traceback__ = None
+                    raise
+            results: list[RequestOutput] = []
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                ids = self.encode(p)
+                rid = client.new_request_id()
+                tr = client.add_request(
+                    rid,
+                    ids,
+                    sp,
+                    sink,
+                    index=i,
+                    priority=priority[i] if priority else 0,
+                    cache_salt=cache_salt,
+                    job=jobs[i] if jobs else None,
+                    lora=loras[i],
+                    ticket=ticket,
+                )
+                results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
         return results
 
     @staticmethod
@@ -396,6 +409,13 @@ class LLM:
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         """Liveness of every rank (seconds since each was last heard) and forward progress."""
         return self._client().health(timeout_s)
+
+    def census(self, timeout_s: float = 5.0) -> Census:
+        """The size of every map that grows with client input, per process ("frontend",
+        "engine_core", "rank0", ...); launch/census.py says which are freed with their request
+        (all 0 when idle) and which are bounded caches."""
+        client = self._client()
+        return assemble(client.census(), client.health(timeout_s))
 
     def get_stats(self, timeout_s: float = 5.0) -> dict[str, float]:
         """The scheduler's counters: prefix-cache hits, preemptions, steps, and with

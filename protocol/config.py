@@ -85,6 +85,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduler_trace: str | None = None
     enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
     worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung
+    # requests admitted but not yet running (waiting in the core, held for a grammar, or on
+    # their way there) beyond which the frontend refuses new ones at once: HTTP 503 with
+    # Retry-After, QueueFullError in the Python API (launch/admission.py); None = unbounded
+    max_queued_requests: int | None = None
     max_frame_bytes: int = 64 * 1024 * 1024
     # where the vocabulary comes from when the model has none of its own (dummy:* presets): a
     # tokenizer directory or .gguf file. The frontend tokenizes with it and every worker builds
@@ -148,6 +152,8 @@ def config_error(config: EngineConfig) -> str | None:
         return "worker_overlap needs async_scheduling (--async-scheduling)"
     if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
+    if config.max_queued_requests is not None and config.max_queued_requests < 1:
+        return f"max_queued_requests must be >= 1, got {config.max_queued_requests}"
     return _lora_error(config)
 
 

@@ -152,6 +152,12 @@ class RequestOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_
 class EngineOutputs(msgspec.Struct, array_like=True, tag=11):
     outputs: list[RequestOutput]
     timestamp: float  # engine core's time.time() when the step's tokens were known
+    # the core's queue as of this message, for the frontend's --max-queued-requests bound
+    # (launch/admission.py): frames read from the frontend so far, and requests waiting
+    # (in the scheduler's waiting queue or held for their grammar). Trailing fields with
+    # defaults: an older peer ignores or defaults them.
+    frames_seen: int = 0
+    num_waiting: int = 0
 
 
 class HealthReport(msgspec.Struct, array_like=True, tag=12, kw_only=True):
@@ -164,6 +170,9 @@ class HealthReport(msgspec.Struct, array_like=True, tag=12, kw_only=True):
     kv_usage: float
     # the scheduler's counters (prefix cache, preemptions, speculative acceptance, ...)
     stats: dict[str, float] = {}
+    # sizes of the per-request maps and bounded caches of the core and of every rank
+    # ("rank0.input_batch.states", ...): engine_core/census.py, workers/census.py
+    census: dict[str, int] = {}
 
 
 class EngineDead(msgspec.Struct, array_like=True, tag=13):
@@ -384,6 +393,8 @@ class HealthPong(msgspec.Struct, array_like=True, tag=33, kw_only=True):
     rank: int
     nonce: int
     last_step_id: int
+    # this rank's map sizes (workers/census.py), so the core's census covers every process
+    census: dict[str, int] = {}
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):

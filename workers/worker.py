@@ -45,6 +45,7 @@ from workers.overlap import DeviceWatch, HostClock
 
 if TYPE_CHECKING:
     from workers.runner.step_flight import InFlightStep
+from workers.census import worker_census
 
 logger = logging.getLogger("tandem.worker")
 
@@ -203,9 +204,9 @@ class Worker:
                 if msg.nonce < 0:  # start-up sync ping: say this SUB socket is live
                     self.send(WorkerReady(rank=self.rank, nonce=msg.nonce))
                 else:
-                    self.send(
-                        HealthPong(rank=self.rank, nonce=msg.nonce, last_step_id=self.last_step_id)
-                    )
+                    self.send(HealthPong(rank=self.rank, nonce=msg.nonce,
+                                         last_step_id=self.last_step_id,
+                                         census=worker_census(self)))
             elif isinstance(msg, Shutdown):
                 return 0
             elif isinstance(msg, ProfileControl):

@@ -231,6 +231,10 @@ class Scheduler(RunningPass, Admission):
         return (bool(self.running) or bool(self.waiting)
                 or (self.lora is not None and bool(self.lora.ops)))
 
+    def has_handles_to_forget(self) -> bool:
+        """Finished requests the workers still hold: the next step's diff lists them."""
+        return bool(self._finished_handles)
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:

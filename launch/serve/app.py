@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from launch.client import EngineDeadError
+from launch.serve.admit import admitted
 from launch.serve.body import parse_request, read_body
+from launch.serve.census import census_body
 from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
 from launch.serve.context import ServerContext
@@ -109,15 +111,26 @@ def build_app(ctx: ServerContext) -> FastAPI:
         data += ctx.adapters.model_cards(ctx.created, ctx.engine.max_model_len)
         return {"object": "list", "data": data}
 
+    @app.get("/census")
+    async def census() -> JSONResponse:
+        """Sizes of the maps that grow with client input, per process (launch/census.py)."""
+        try:
+            return JSONResponse(await census_body(ctx))
+        except (EngineDeadError, TimeoutError) as e:
+            return error_response(503, f"no census from the engine: {e}")
+
+    # a generation route holds a slot under --max-queued-requests before it reads the body
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest, ctx.max_request_bytes)
-        return await create_completion(ctx, req, request)
+        with admitted(ctx, request):
+            req = await parse_body(request, CompletionRequest, ctx.max_request_bytes)
+            return await create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes)
-        return await create_chat_completion(ctx, req, request)
+        with admitted(ctx, request):
+            req = await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes)
+            return await create_chat_completion(ctx, req, request)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> JSONResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +21,11 @@ from engine_core.validation import (
     validate_priority,
     validate_prompt,
 )
+from launch.admission import QueueFullError, Ticket
 from launch.client import EngineDeadError
 from launch.detokenizer import IncrementalDetokenizer
 from launch.serve.engine import AsyncEngine, Event
-from launch.serve.errors import APIError, bad_request
+from launch.serve.errors import APIError, bad_request, overloaded
 from launch.serve.metrics import ServerMetrics
 from launch.serve.stop import StopChecker
 from protocol.codec import pack
@@ -35,6 +37,10 @@ from protocol.messages import JobInfo, SamplingParams
 # before calling the error a bad request; generous because a loaded box delays the announcement,
 # and only requests the engine itself refused (past the checks here) ever wait.
 DEAD_GRACE_S = 1.0
+
+# every Generation not yet garbage: its detokenizers, stop-string state and stream buffer are
+# freed with it (the census counts them, launch/serve/census.py)
+LIVE: weakref.WeakSet[Generation] = weakref.WeakSet()
 
 
 @dataclass
@@ -105,6 +111,7 @@ class Generation:
         self._unfinished = len(self.choices)
         self.answered = False  # set once the whole response (or its error) is written
         self._got_token = False
+        LIVE.add(self)
 
     # ------------------------------------------------------------------ start
 
@@ -137,9 +144,16 @@ class Generation:
             if err is not None:
                 raise bad_request(err, "prompt")
 
-    def submit(self) -> None:
+    def submit(self, ticket: Ticket | None = None) -> None:
+        """Send every choice. `ticket`: the slot the route took under the queue bound before
+        reading the body; it grows to one slot per choice here (503 when they do not fit)."""
         if self.engine.dead_reason is not None:
             raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+        if ticket is not None:
+            try:
+                ticket.grow_to(len(self.choices))
+            except QueueFullError as e:
+                raise overloaded(str(e)) from None
         tok = self.engine.tokenizer
         for c in self.choices:
             if tok is not None:  # after validate(): the prompt's ids are known to be tokens
@@ -151,9 +165,12 @@ class Generation:
             try:
                 c.arrival = self.engine.submit(
                     c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority,
-                    self.job, self.lora,
+                    self.job, self.lora, ticket,
                 )
                 c.submitted = True
+            except QueueFullError as e:
+                self.abort()
+                raise overloaded(str(e)) from None
             except EngineDeadError as e:
                 self.abort()
                 raise APIError(503, f"the engine is dead: {e}") from e

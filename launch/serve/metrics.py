@@ -77,6 +77,9 @@ class ServerMetrics:
         self.client_aborts = Counter("tandem:request_aborted_by_client",
                                      "Engine requests aborted because the HTTP client left",
                                      labels, registry=r)
+        self.refused = Counter("tandem:request_refused_queue_full",
+                               "Requests answered 503 because max_queued_requests were waiting",
+                               labels, registry=r)
         # the continuum policy's pins (engine totals from the health report; absent otherwise)
         self.continuum = {
             key: Gauge(f"tandem:{key}", doc, labels, registry=r)
@@ -92,6 +95,7 @@ class ServerMetrics:
         self._gen = self.generation_tokens.labels(**self._labels)
         self._prompt = self.prompt_tokens.labels(**self._labels)
         self._gone = self.client_aborts.labels(**self._labels)  # exported from 0 on
+        self._refused = self.refused.labels(**self._labels)
 
     def on_tokens(self, n: int, ts: float, arrival: float, last_token_ts: float | None) -> None:
         """n tokens of one choice arrived at ts; last_token_ts: the choice's previous tokens
@@ -115,6 +119,18 @@ class ServerMetrics:
 
     def on_client_gone(self, n: int) -> None:
         self._gone.inc(n)
+
+    def on_refused(self) -> None:
+        self._refused.inc()
+
+    def num_label_sets(self) -> int:
+        """Label sets across every metric (the census: bounded by the finish reasons)."""
+        seen = set()
+        for family in self.registry.collect():
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                seen.add((family.name, labels))
+        return len(seen)
 
     def render(self, report: HealthReport | None, in_flight: int) -> bytes:
         if report is not None:

@@ -89,4 +89,8 @@ async def constrain(ctx: Any, gen: Generation, spec: StructuredOutputsParams | N
         await asyncio.wrap_future(fut)
         gen.params = ctx.grammars.finish(params, fut)
     except ValueError as e:
+        # a failed compile stays cached and its one exception object is raised again for
+        # every request with the same constraint, each raise adding this frame (and with it
+        # this request's Generation) to its traceback: drop it, or every such request is kept
+        e.__traceback__ = None
         raise bad_request(str(e), param) from None

@@ -61,6 +61,8 @@ SAMPLES: list[msgspec.Struct] = [
     m.EngineOutputs(
         outputs=[m.RequestOutput(request_id="x", new_token_ids=[1], finish_reason="stop")],
         timestamp=1.5,
+        frames_seen=12,
+        num_waiting=3,
     ),
     m.HealthReport(
         nonce=3,
@@ -70,6 +72,8 @@ SAMPLES: list[msgspec.Struct] = [
         num_running=4,
         num_waiting=2,
         kv_usage=0.75,
+        stats={"num_steps": 10.0},
+        census={"scheduler.requests": 6, "rank0.input_batch.states": 4},
     ),
     m.EngineDead(reason="rank 1 died"),
     m.EngineReady(
@@ -165,7 +169,7 @@ SAMPLES: list[msgspec.Struct] = [
         kv_copy_us=12.5,
     ),
     m.WorkerError(rank=1, message="oom", traceback="Traceback ...", step_id=5),
-    m.HealthPong(rank=1, nonce=3, last_step_id=9),
+    m.HealthPong(rank=1, nonce=3, last_step_id=9, census={"input_batch.states": 4}),
     m.WorkerReady(rank=2, nonce=5),
     m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
     m.LoRAReady(rank=1, lora_int_id=3, error="adapter_config.json: use_dora is not supported"),
