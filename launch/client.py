@@ -125,7 +125,7 @@ class EngineClient:
         if ticket is None:
             with self.admission.reserve(1) as own:
                 return self.add_request(request_id, prompt_token_ids, params, sink, index,
-                                        priority, cache_salt, job, own)
+                                        priority, cache_salt, job, lora, ticket=own)
         now = time.time()
         tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
         with self.tracked_lock:
