@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from engine_core.grammar_gate import GrammarGate
+    from engine_core.lora.registry import LoRARegistry
     from engine_core.sched.scheduler import Scheduler
     from engine_core.worker_link import WorkerLink
 
@@ -29,6 +30,7 @@ class CoreState(Protocol):
     early_outputs: dict[int, Any]
     scheduler: Scheduler
     link: WorkerLink
+    lora: LoRARegistry | None
 
 # names below that are bounded rather than freed with their request, and their bound
 BOUNDED = {
@@ -40,6 +42,11 @@ BOUNDED = {
     "kv_offload.host_entries": "the host tier's slots (--kv-offload-memory / block bytes)",
     "kv_offload.disk_entries": "the disk tier's slots (--kv-offload-disk-size / block bytes)",
     "kv_offload.loads": "the host tier's slots (one read per destination slot)",
+    # adapters are registered by the operator (--lora-modules, the load endpoint behind
+    # TANDEM_ALLOW_RUNTIME_LORA_UPDATING) or a Python API caller, never by an HTTP request's
+    # body alone; each stays until it is unloaded
+    "lora.adapters": "the adapters registered and not unloaded",
+    "lora.slots": "max_loras",
 }
 
 
@@ -80,6 +87,14 @@ def core_census(core: CoreState) -> dict[str, int]:
         out["kv_offload.host_entries"] = len(offload.offload.host)
         out["kv_offload.disk_entries"] = len(offload.offload.disk)
         out["kv_offload.loads"] = len(offload.offload._loads)
+    lora = core.lora
+    if lora is not None:
+        out["lora.adapters"] = len(lora)
+        out["lora.held"] = lora.num_held
+        slots = sched.lora
+        if slots is not None:
+            out["lora.slots"] = len(slots.slot_of)
+            out["lora.slot_pins"] = len(slots.pins)
     for rank, sizes in sorted(core.link.rank_census.items()):
         out.update({f"rank{rank}.{name}": n for name, n in sizes.items()})
     return out
