@@ -129,6 +129,14 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     )
     g.add_argument("--enable-checksum", action="store_true")
     g.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
+    g.add_argument("--structured-outputs-cache-mb", type=int,
+                   default=d.structured_outputs_cache_mb, metavar="MIB",
+                   help="compiled grammars kept for reuse, in the frontend and on each rank "
+                   "(least recently used unheld ones leave first)")
+    g.add_argument("--structured-outputs-compile-timeout", type=float,
+                   default=d.structured_outputs_compile_timeout, metavar="SECONDS",
+                   help="a constraint that takes longer to compile (queueing included) fails "
+                   "its request with a 400")
     g.add_argument("--continuum-ttl", type=float, default=None, metavar="SECONDS",
                    help="continuum policy: pin every finished turn for this long instead of "
                    "the TTL learned from tool-call gaps (an experiment knob)")
