@@ -116,7 +116,8 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthPing(nonce=2**40),
     m.ProfileControl(enable=True, trace_dir="/t"),
     m.ResetPrefixCache(),
-    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+")),
+    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+"), grammar_id=7),
+    m.DropGrammars(grammar_ids=[7, 2**40]),
     m.WorkerHello(
         rank=1,
         world_size=2,
@@ -150,4 +151,5 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthPong(rank=1, nonce=3, last_step_id=9),
     m.WorkerReady(rank=2, nonce=5),
     m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
+    m.GrammarReady(rank=0, ticket=4, size_bytes=70_000, cache_bytes=2**28),
 ]
