@@ -34,6 +34,7 @@ class CoreState(Protocol):
 
 # names below that are bounded rather than freed with their request, and their bound
 BOUNDED = {
+    "grammar_gate.grammars": "--structured-outputs-cache-mb of compiled grammars on each rank",
     "kv.prefix_hash_index": "one entry per cached block: at most num_blocks per KV group",
     "continuum.jobs": "MAX_JOBS (65536) jobs, oldest forgotten first",
     "continuum.pins": "one per job, and only while its blocks fit the KV cache",
@@ -57,6 +58,8 @@ def core_census(core: CoreState) -> dict[str, int]:
     out = {
         "frontend.inflight": len(core.inflight),
         "grammar_gate.held": len(core.grammars),
+        # the grammars the ranks keep, as this gate decides them (bounded in bytes)
+        "grammar_gate.grammars": int(core.grammars.stats()["grammar_cache_grammars"]),
         "core.steps_in_flight": len(core.in_flight),
         "core.early_outputs": len(core.early_outputs),
         "scheduler.requests": len(sched.requests),

@@ -90,7 +90,8 @@ class EngineCore:
         self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
         # constrained requests waiting for every rank's compiled grammar before admission
-        self.grammars = GrammarGate(world_size)
+        self.grammars = GrammarGate(
+            world_size, config, publish=lambda m: self.link.pub.send(self.encoder.encode(m)))
         # LoRA adapters: registered once, requests held until every rank has theirs
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
@@ -143,6 +144,8 @@ class EngineCore:
             if not self.in_flight:
                 self.link.drain()  # idle: the workers' pongs must still count
             self._settle_grammars()
+            if self.grammars:
+                self._flush(self.grammars.expire())
             self._settle_loras()
             self.link.maybe_ping()
             self.link.check_alive()
@@ -405,7 +408,7 @@ class EngineCore:
             num_running=int(stats.get("num_running", 0)),
             num_waiting=self.num_waiting(),
             kv_usage=float(stats.get("kv_usage", 0.0)),
-            stats=stats,
+            stats={**stats, **self.grammars.stats()},
             census=core_census(self),
         )
 

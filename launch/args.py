@@ -140,6 +140,14 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                    help="refuse new requests (HTTP 503 with Retry-After) while N are admitted "
                    "but not yet running (default: unbounded)")
+    g.add_argument("--structured-outputs-cache-mb", type=int,
+                   default=d.structured_outputs_cache_mb, metavar="MIB",
+                   help="compiled grammars kept for reuse, in the frontend and on each rank "
+                   "(least recently used unheld ones leave first)")
+    g.add_argument("--structured-outputs-compile-timeout", type=float,
+                   default=d.structured_outputs_compile_timeout, metavar="SECONDS",
+                   help="a constraint that takes longer to compile (queueing included) fails "
+                   "its request with a 400")
     g.add_argument("--continuum-ttl", type=float, default=None, metavar="SECONDS",
                    help="continuum policy: pin every finished turn for this long instead of "
                    "the TTL learned from tool-call gaps (an experiment knob)")

@@ -22,7 +22,7 @@ from workers.census import BOUNDED as RANK_BOUNDED
 # reasons) and the frontend's compiled-grammar cache (its own budget)
 FRONTEND_BOUNDED = {
     "serve.metric_label_sets": "metric names x finish reasons (stop, length, abort, error)",
-    "serve.grammar_cache": "the compiled-grammar cache's own budget",
+    "serve.grammar_cache": "--structured-outputs-cache-mb (least recently used unheld first)",
 }
 
 Census = dict[str, dict[str, int]]

@@ -140,7 +140,8 @@ class LLM:
         if self._grammar_cache is None:
             from launch.structured import FrontendGrammars
 
-            self._grammar_cache = FrontendGrammars(self.tokenizer, self.info.vocab_size)
+            self._grammar_cache = FrontendGrammars(self.tokenizer, self.info.vocab_size,
+                                                   self.config)
         return self._grammar_cache
 
     def _wait_ready(self, timeout_s: float) -> None:

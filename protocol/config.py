@@ -94,6 +94,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # tokenizer directory or .gguf file. The frontend tokenizes with it and every worker builds
     # its grammar engine's token table from it; None = the model's own tokenizer.
     tokenizer: str | None = None
+    # compiled grammars (structured outputs) kept for reuse, in MiB, in the frontend and on
+    # each rank (vLLM bounds the same cache); a grammar a live request holds is never evicted
+    structured_outputs_cache_mb: int = 256
+    # seconds a constraint may take to compile (queueing included) before its request fails
+    structured_outputs_compile_timeout: float = 10.0
     # continuum policy: a fixed pin TTL in seconds (None = learned from observed tool-call
     # gaps), and the cap on any TTL
     continuum_ttl: float | None = None
@@ -150,6 +155,12 @@ def config_error(config: EngineConfig) -> str | None:
     if config.worker_overlap and not config.async_scheduling:
         # without it the core waits for step k's tokens before it sends step k+1
         return "worker_overlap needs async_scheduling (--async-scheduling)"
+    if config.structured_outputs_cache_mb < 0:
+        return (f"structured_outputs_cache_mb must be >= 0, "
+                f"got {config.structured_outputs_cache_mb}")
+    if not config.structured_outputs_compile_timeout > 0:
+        return (f"structured_outputs_compile_timeout must be > 0 seconds, "
+                f"got {config.structured_outputs_compile_timeout}")
     if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
     if config.max_queued_requests is not None and config.max_queued_requests < 1:

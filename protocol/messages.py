@@ -41,7 +41,8 @@ from protocol.structured import StructuredOutputsParams
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
 # 3: grammars compiled before admission (PrepareGrammar / GrammarReady)
 # 4: LoRA adapters (protocol/lora.py: LoRARequest on AddRequest, LoadLoRA / UnloadLoRA /
-#    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff)
+#    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff); the ranks'
+#    grammar caches bounded by the engine core (grammar ids, DropGrammars, sizes)
 PROTOCOL_VERSION = 4
 
 
@@ -301,10 +302,25 @@ class PrepareGrammar(msgspec.Struct, array_like=True, tag=25):
 
     Sent once per constrained request when it arrives; ``ticket`` names it until every rank
     answered (the request has no handle yet). Unconstrained requests never cause one.
+    ``grammar_id`` is the engine core's name for the constraint's cache entry on every rank
+    (one id per key while the entry lives); DropGrammars names entries by it.
     """
 
     ticket: int
     spec: StructuredOutputsParams
+    grammar_id: int
+
+
+class DropGrammars(msgspec.Struct, array_like=True, tag=26):
+    """Forget these compiled grammars (PrepareGrammar.grammar_id): the engine core's eviction.
+
+    The core alone decides which grammars each rank keeps (its byte budget, least recently
+    used first, never one a live request holds) and every rank applies the decision at the
+    same point of the broadcast stream, so all ranks hold the same grammars. A compile still
+    queued is cancelled; one already running finishes and its result is not kept.
+    """
+
+    grammar_ids: list[int]
 
 
 class PrepareLoRA(msgspec.Struct, array_like=True, tag=26):
@@ -323,7 +339,7 @@ class DropLoRA(msgspec.Struct, array_like=True, tag=27):
 
 WorkerBroadcast = (
     SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache | PrepareGrammar
-    | PrepareLoRA | DropLoRA
+    | DropGrammars | PrepareLoRA | DropLoRA
 )
 
 
@@ -405,11 +421,17 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
 
 
 class GrammarReady(msgspec.Struct, array_like=True, tag=35, kw_only=True):
-    """A rank's answer to PrepareGrammar: compiled (error empty), or why it failed."""
+    """A rank's answer to PrepareGrammar: compiled (error empty), or why it failed.
+
+    ``size_bytes``: what the compiled grammar costs this rank's cache (the core's budget counts
+    it); ``cache_bytes``: this rank's whole grammar cache when it answered (a health figure).
+    """
 
     rank: int
     ticket: int
     error: str = ""
+    size_bytes: int = 0
+    cache_bytes: int = 0
 
 
 class LoRAReady(msgspec.Struct, array_like=True, tag=36, kw_only=True):

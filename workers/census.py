@@ -19,9 +19,12 @@ class WorkerState(Protocol):
     """What the census reads of a Worker (a protocol: this module need not import it)."""
 
     runner: ModelRunner
-    grammar_tickets: dict[int, Future[Any]]
+    grammar_tickets: dict[int, tuple[Future[Any], tuple[str, str], int]]
 
 BOUNDED = {
+    # which grammars a rank keeps is decided by the engine core (DropGrammars), within
+    # --structured-outputs-cache-mb
+    "structured.grammar_cache": "--structured-outputs-cache-mb, as the engine core decides",
     "kv_offload.loading": "the host tier's slots",
     "kv_offload.bad_slots": "the host tier's slots",
     "kv_offload.disk_ops": "the disk tier's slots",
@@ -43,6 +46,7 @@ def worker_census(worker: WorkerState) -> dict[str, int]:
         out["structured.pending"] = len(structured.pending)
         out["structured.matchers"] = len(structured.matchers)
         out["structured.failed"] = len(structured.failed)
+        out["structured.grammar_cache"] = len(structured.cache)
     offload = runner.kv_offload
     if offload is not None:
         out["kv_offload.loading"] = len(offload._loading)

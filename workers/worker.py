@@ -28,6 +28,7 @@ from protocol.codec import Encoder, ProtocolError, broadcast_decoder
 from protocol.config import EngineConfig, worker_overlap_on
 from protocol.error_file import write_error_file
 from protocol.messages import (
+    DropGrammars,
     GrammarReady,
     HealthPing,
     HealthPong,
@@ -118,8 +119,9 @@ class Worker:
         self.profiler = None
         self.fault = parse_fault(os.environ.get("TANDEM_FAULT_INJECT"))
         self.core_gone = False  # then nothing queued can be delivered: don't linger on exit
-        # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them)
-        self.grammar_tickets: dict[int, Future[Any]] = {}
+        # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them):
+        # ticket -> (compile, cache key, grammar id)
+        self.grammar_tickets: dict[int, tuple[Future[Any], tuple[str, str], int]] = {}
         # worker overlap (workers/overlap.py): the launched step whose tokens are not sent yet
         self.overlap = worker_overlap_on(config, self.runner.device.type)
         self.in_flight: InFlightStep | None = None
@@ -214,16 +216,35 @@ class Worker:
             elif isinstance(msg, ResetPrefixCache):
                 pass  # KV contents need no reset: the scheduler only forgets hashes
             elif isinstance(msg, PrepareGrammar):
-                self.grammar_tickets[msg.ticket] = self.runner.prepare_grammar(msg.spec)
+                fut = self.runner.prepare_grammar(msg.spec, msg.grammar_id)
+                self.grammar_tickets[msg.ticket] = (fut, msg.spec.key(), msg.grammar_id)
                 self.answer_grammars()  # a cached grammar is ready at once
+            elif isinstance(msg, DropGrammars):
+                self.drop_grammars(msg.grammar_ids)
 
     def answer_grammars(self) -> None:
-        """Tell the core which of its grammars this rank has compiled (or failed to)."""
-        done = [t for t, f in self.grammar_tickets.items() if f.done()]
+        """Tell the core which of its grammars this rank has compiled (or failed to), with
+        what each costs this rank's cache: the core's budget counts it."""
+        from workers.sample.grammar_cache import grammar_bytes  # structured outputs only
+
+        done = [t for t, (f, _, _) in self.grammar_tickets.items() if f.done()]
         for ticket in done:
-            exc = self.grammar_tickets.pop(ticket).exception()
+            fut, key, _ = self.grammar_tickets.pop(ticket)
+            if fut.cancelled():  # the pool closed under it: the rank is going down
+                continue
+            exc = fut.exception()
             error = "" if exc is None else (str(exc) or type(exc).__name__)
-            self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error))
+            size = 0 if exc is not None else grammar_bytes(key, fut.result())
+            self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error, size_bytes=size,
+                                   cache_bytes=self.runner.grammar_cache_bytes()))
+
+    def drop_grammars(self, grammar_ids: list[int]) -> None:
+        """The core's eviction, at this point of the broadcast stream on every rank. A ticket
+        of a dropped grammar was settled by the core already (timed out, aborted): no answer."""
+        self.runner.drop_grammars(grammar_ids)
+        gone = set(grammar_ids)
+        for ticket in [t for t, (_, _, g) in self.grammar_tickets.items() if g in gone]:
+            del self.grammar_tickets[ticket]
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:

@@ -37,7 +37,7 @@ def server_census(ctx: ServerContext) -> dict[str, int]:
     grammars = ctx.grammars
     if grammars is not None and grammars.cache is not None:
         # the compiled-grammar cache's entries (bounded by that cache's own budget)
-        out["serve.grammar_cache"] = len(getattr(grammars.cache, "_futures", ()))
+        out["serve.grammar_cache"] = len(grammars.cache)
     return out
 
 

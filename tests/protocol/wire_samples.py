@@ -136,7 +136,8 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthPing(nonce=2**40),
     m.ProfileControl(enable=True, trace_dir="/t"),
     m.ResetPrefixCache(),
-    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+")),
+    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+"), grammar_id=7),
+    m.DropGrammars(grammar_ids=[7, 2**40]),
     m.PrepareLoRA(lora=LORA, content_hash="ab12"),
     m.DropLoRA(lora_int_id=3),
     m.WorkerHello(
@@ -173,4 +174,5 @@ SAMPLES: list[msgspec.Struct] = [
     m.WorkerReady(rank=2, nonce=5),
     m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
     m.LoRAReady(rank=1, lora_int_id=3, error="adapter_config.json: use_dora is not supported"),
+    m.GrammarReady(rank=0, ticket=4, size_bytes=70_000, cache_bytes=2**28),
 ]

@@ -110,10 +110,19 @@ class ModelRunner:
                 self.config.max_num_seqs * (1 + k), k, self.device)
         return self.structured
 
-    def prepare_grammar(self, spec: StructuredOutputsParams) -> Future[Any]:
+    def prepare_grammar(self, spec: StructuredOutputsParams, grammar_id: int) -> Future[Any]:
         """Start compiling a constraint before its request is scheduled; the request's
-        NewRequestData later finds it in the grammar cache."""
-        return self._make_structured().cache.submit(spec)
+        NewRequestData later finds it in the grammar cache (entry ``grammar_id``, kept until
+        the engine core drops it)."""
+        return self._make_structured().cache.submit(spec, grammar_id)
+
+    def drop_grammars(self, grammar_ids: list[int]) -> None:
+        """The engine core's eviction of compiled grammars (DropGrammars)."""
+        if self.structured is not None:
+            self.structured.cache.drop(grammar_ids)
+
+    def grammar_cache_bytes(self) -> int:
+        return self.structured.cache.size_bytes if self.structured is not None else 0
 
     def _structured_outputs(self, so: SchedulerOutput) -> StructuredOutputs | None:
         if self.structured is None and any(
