@@ -311,7 +311,7 @@ class PrepareGrammar(msgspec.Struct, array_like=True, tag=25):
     grammar_id: int
 
 
-class DropGrammars(msgspec.Struct, array_like=True, tag=26):
+class DropGrammars(msgspec.Struct, array_like=True, tag=28):
     """Forget these compiled grammars (PrepareGrammar.grammar_id): the engine core's eviction.
 
     The core alone decides which grammars each rank keeps (its byte budget, least recently

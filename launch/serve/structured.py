@@ -101,6 +101,7 @@ async def constrain(ctx: Any, gen: Generation, spec: StructuredOutputsParams | N
             await _wait(pending.future, pending.remaining())
         gen.params = ctx.grammars.finish(params, pending)
     except ValueError as e:
+        e.__traceback__ = None  # it may be the compile's own exception, shared (see above)
         raise bad_request(str(e), param) from None
     finally:
         pending.hold.release()

@@ -47,11 +47,13 @@ def census(server: Server) -> dict[str, Any]:
 
 
 def wait_empty(server: Server, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Poll /census until no per-request map holds anything (ranks report every 0.5 s)."""
+    """Poll /census until no per-request map holds anything (ranks report every 0.5 s, the
+    first time half a second after start-up: until then the census has no rank)."""
     deadline = time.monotonic() + timeout_s
     while True:
         body = census(server)
-        if not body["leftovers"] and body["num_free_blocks"] == body["num_blocks"] - 1:
+        reported = "rank0" in body["census"]
+        if reported and not body["leftovers"] and body["num_free_blocks"] == body["num_blocks"] - 1:
             return body
         assert time.monotonic() < deadline, f"not empty after {timeout_s} s: {body}"
         time.sleep(0.1)
