@@ -25,10 +25,13 @@ from protocol.codec import Encoder, ProtocolError, broadcast_decoder
 from protocol.config import EngineConfig
 from protocol.error_file import write_error_file
 from protocol.messages import (
+    DropLoRA,
     GrammarReady,
     HealthPing,
     HealthPong,
+    LoRAReady,
     PrepareGrammar,
+    PrepareLoRA,
     ProfileControl,
     ResetPrefixCache,
     SchedulerOutput,
@@ -193,6 +196,10 @@ class Worker:
             elif isinstance(msg, PrepareGrammar):
                 self.grammar_tickets[msg.ticket] = self.runner.prepare_grammar(msg.spec)
                 self.answer_grammars()  # a cached grammar is ready at once
+            elif isinstance(msg, PrepareLoRA):
+                self.prepare_lora(msg)
+            elif isinstance(msg, DropLoRA):
+                self.runner.drop_lora(msg.lora_int_id)
 
     def answer_grammars(self) -> None:
         """Tell the core which of its grammars this rank has compiled (or failed to)."""
@@ -201,6 +208,12 @@ class Worker:
             exc = self.grammar_tickets.pop(ticket).exception()
             error = "" if exc is None else (str(exc) or type(exc).__name__)
             self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error))
+
+    def prepare_lora(self, msg: PrepareLoRA) -> None:
+        """Read, check and slice the adapter now (a rare event: the steps queued behind it
+        wait for the read) and answer; a refused adapter is an answer, never a crash."""
+        error = self.runner.prepare_lora(msg.lora, msg.content_hash)
+        self.send(LoRAReady(rank=self.rank, lora_int_id=msg.lora.lora_int_id, error=error))
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:

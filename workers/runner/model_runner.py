@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +32,10 @@ from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_gr
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from protocol.lora import LoRARequest
     from protocol.structured import StructuredOutputsParams
     from workers.kv_offload.host_pool import KVOffloadExecutor
+    from workers.lora.manager import LoRAManager
     from workers.model.config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
     from workers.runner.cuda_graphs import CudaGraphRunner
@@ -87,6 +90,8 @@ class ModelRunner:
         # grammar matchers of constrained requests; built on the first one (xgrammar loads
         # only then)
         self.structured: StructuredOutputs | None = None
+        # LoRA adapters' slots and layer wrappers (workers/lora/); None without --enable-lora
+        self.lora: LoRAManager | None = None
 
     def _make_structured(self) -> StructuredOutputs:
         if self.structured is None:
@@ -138,6 +143,11 @@ class ModelRunner:
             num_groups=self.num_kv_groups,
         )
         self.model.set_attention_backend(self.config.attention_backend)
+        if self.config.enable_lora:  # slot buffers allocated before the KV cache is sized
+            from workers.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.config, self.input_batch, self.dtype,
+                                    self.device)
         if self.device.type == "cuda":
             budget = self.config.max_num_batched_tokens or GPU_MAX_BATCHED_TOKENS
             # A step's tokens fit the budget; drafts may add up to K per request on top.
@@ -174,8 +184,11 @@ class ModelRunner:
             raise RuntimeError("load_model() must run before plan_kv_cache()")
         plan = self.graph_plan()
         shapes = None if plan is None else (len(plan.buckets()), plan.max_tokens())
-        return plan_for_model(self.model, self.config, self.device, self.block_size,
-                              self.max_model_len, self.dist.rank, shapes)
+        lora = self.lora  # the profile forward (CUDA) runs every token through an adapter
+        with lora.worst_case() if lora is not None else nullcontext():
+            return plan_for_model(self.model, self.config, self.device, self.block_size,
+                                  self.max_model_len, self.dist.rank, shapes,
+                                  lora_bytes=lora.nbytes if lora is not None else 0)
 
     def init_kv_cache(self) -> int:
         """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
@@ -226,6 +239,16 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.close()
 
+    def prepare_lora(self, lora: LoRARequest, content_hash: str) -> str:
+        """PrepareLoRA: the adapter's slice into host memory; why it was refused, or ""."""
+        if self.lora is None:
+            return "LoRA is not enabled on this worker (--enable-lora)"
+        return self.lora.prepare(lora, content_hash)
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.drop(lora_int_id)
+
     def _settle_kv_loads(self) -> KVLoadResult | None:
         """Disk -> host reads that every rank finished (or any rank failed): the ranks agree
         on each read's state (MIN all-reduce, only in steps with reads in flight), so all of
@@ -243,7 +266,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self.input_batch
         structured = self._structured_outputs(so)
+        lora = self.lora
+        if lora is not None and so.lora is not None:
+            lora.apply_ops(so.lora.ops)  # before the batch looks up its new rows' slots
         batch.apply(so)
+        if lora is not None:
+            lora.check_rows()
         offload = self.kv_offload
         copy_us = 0.0
         if offload is not None and so.kv_transfers is not None:
@@ -263,7 +291,9 @@ class ModelRunner:
         if offload is not None:
             offload.wait_before_forward()  # this step's tier copies land before the forward
         logits_indices = inputs.logits_indices
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        # graphs are captured without LoRA: a step with adapter rows runs eagerly
+        with_lora = lora is not None and lora.begin_step(inputs)
+        if self.graphs is not None and not with_lora and self.graphs.can_run(inputs):
             t1 = time.perf_counter()
             # padded: a decode step's real tokens may move (draft padding)
             hidden, logits_indices = self.graphs.run(inputs)

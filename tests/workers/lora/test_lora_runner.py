@@ -1,0 +1,128 @@
+"""LoRA at the runner level against peft: greedy tokens of three PEFT adapters (ranks 8/16/32,
+rsLoRA, q/v only, rank and alpha patterns) and the base model, all mixed in one batch, equal
+`PeftModel` generate (unmerged, float32), at TP=1 and TP=2 (padded heads), also after slot
+swaps and host-cache evictions."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from protocol.codec import unpack
+from protocol.lora import LoRASlotOp
+from tests.helpers.lora import LoRADriver, lora_config, run_spec, slot_op
+from tests.helpers.multiproc import run_ranks
+from workers.parallel.distributed import DistEnv
+from workers.runner.input_batch import StateMismatchError
+from workers.runner.model_runner import ModelRunner
+
+pytest.importorskip("peft")
+
+MAX_NEW = 8
+PROMPTS = [[(7 * i + 3 * j + 1) % 256 for j in range(5 + 2 * i)] for i in range(8)]
+WAVE1 = dict(prompts=PROMPTS, loras=[0, 1, 2, 3, 1, 2, 3, 0], ops=[[0, 1], [1, 2], [2, 3]])
+# two waves: slot 0 goes from adapter 1 to adapter 3 between them (after WAVE1 in the same
+# runner, adapter 3 moves there from slot 2)
+SWAPS = [
+    dict(prompts=PROMPTS[:4], loras=[1, 2, 0, 2], ops=[[0, 1], [1, 2]]),
+    dict(prompts=PROMPTS[4:], loras=[3, 2, 3, 0], ops=[[0, 3]]),
+]
+
+
+def _expected(world, wave: dict) -> list[list[int]]:
+    return world.expected(wave["prompts"], wave["loras"], MAX_NEW)
+
+
+def _runner(base: str, **kw: object) -> ModelRunner:
+    r = ModelRunner(lora_config(base, **kw), DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+    r.load_model()
+    r.init_kv_cache()
+    return r
+
+
+def test_mixed_batch_equals_peft(lora_world):
+    w = lora_world
+    (got,) = run_spec(_runner(w.base), dict(adapters=w.adapters, waves=[WAVE1],
+                                            max_new=MAX_NEW, prepare=[1, 2, 3]))
+    assert got == _expected(w, WAVE1)
+
+
+def test_swaps_and_host_cache_evictions_equal_peft(lora_world):
+    """Two slots for three adapters, two host copies (adapter 1 is re-read for its slot op,
+    its hash checked): slot 0 changes hands between the waves."""
+    w = lora_world
+    waves = run_spec(_runner(w.base, max_loras=2, max_cpu_loras=2),
+                     dict(adapters=w.adapters, waves=SWAPS, max_new=MAX_NEW, prepare=[1, 2, 3]))
+    assert waves == [_expected(w, wave) for wave in SWAPS]
+
+
+@pytest.mark.slow
+def test_tp2_equals_peft(lora_world, tmp_path):
+    w = lora_world
+    out = str(tmp_path / "out")
+    spec = dict(base=w.base, adapters=w.adapters, waves=[WAVE1] + SWAPS, max_new=MAX_NEW,
+                prepare=[1, 2, 3], out=out)
+    path = str(tmp_path / "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_ranks(os.path.join(here, "helpers", "lora_tp_run.py"), [path], 2, timeout_s=240)
+    want = [_expected(w, wave) for wave in [WAVE1] + SWAPS]
+    for rank in range(2):
+        with open(os.path.join(out, f"rank{rank}.json")) as f:
+            assert json.load(f) == want
+
+
+def test_changed_files_fail_only_that_adapters_requests(lora_world):
+    """A slot op whose adapter is no longer in host memory and whose files no longer match the
+    registered hash: its requests fail (failed_handles), the others run on."""
+    w = lora_world
+    runner = _runner(w.base, max_loras=1, max_cpu_loras=1)
+    bad = LoRASlotOp(slot=0, lora_int_id=2, lora_name="a2", lora_path=w.adapters[1],
+                     content_hash="0" * 64)
+    driver = LoRADriver(runner)
+    so_out = []
+    orig = runner.execute
+
+    def spy(so):
+        out = orig(so)
+        so_out.append(out)
+        return out
+
+    runner.execute = spy  # type: ignore[method-assign]
+    got = driver.wave(PROMPTS[:2], [2, 0], [bad], MAX_NEW)
+    assert unpack(so_out[0].failed_handles) == [0]
+    assert "changed on disk" in so_out[0].failed_reasons[0]
+    assert got[1] == w.expected(PROMPTS[1:2], [0], MAX_NEW)[0]
+
+
+def test_replacing_a_running_requests_adapter_is_a_state_mismatch(lora_world):
+    w = lora_world
+    driver = LoRADriver(_runner(w.base))
+    driver.wave(PROMPTS[:1], [1], [slot_op(0, 1, w.adapters[0])], 1)
+    # the request still runs (not finished) when its slot gets another adapter
+    from protocol.lora import LoRAStep
+    from protocol.messages import SchedulerOutput
+
+    so = SchedulerOutput(step_id=driver.step_id, num_running=1, total_num_scheduled_tokens=1,
+                         lora=LoRAStep(ops=[slot_op(0, 2, w.adapters[1])]))
+    with pytest.raises(StateMismatchError, match="slot 0"):
+        driver.runner.execute(so)
+
+
+def test_refused_adapters_are_answers_not_crashes(lora_world, tmp_path):
+    from protocol.lora import LoRARequest
+    from tests.helpers.runner import make_runner
+
+    w = lora_world
+    runner = _runner(w.base, max_lora_rank=16)
+    err = runner.prepare_lora(LoRARequest("big", 3, w.adapters[2]), "")
+    assert "rank 32" in err and "max_lora_rank 16" in err and "'big'" in err
+    err = runner.prepare_lora(LoRARequest("gone", 4, str(tmp_path / "nowhere")), "")
+    assert "not a directory" in err
+    assert runner.prepare_lora(LoRARequest("ok", 1, w.adapters[0]), "") == ""
+    other = make_runner()  # LoRA not enabled
+    assert "LoRA is not enabled" in other.prepare_lora(LoRARequest("ok", 1, w.adapters[0]), "")
