@@ -10,8 +10,8 @@ the step reuses it. Two paths, one chosen at start-up (``select_path``):
   the rows: decode) or ``torch._grouped_mm`` (one GEMM per slot inside one call), the packed
   projections' expands being one GEMM through a block-diagonal B (slots.SlotBuffers), and
   one index_add into the output: a handful of ops per linear whatever the number of
-  adapters, and no gather or scatter when the adapter tokens are one run of consecutive
-  tokens. Where this torch build has no grouped GEMM for the target's dtype or strides
+  adapters; large groups of consecutive tokens (prefills) skip the gather and the scatter and
+  accumulate in place. Where this torch build has no grouped GEMM for the target's dtype or strides
   (probed once per target), its unpadded steps run the same per slot in Python ("loop":
   two GEMMs and an index_add per slot).
 """
@@ -43,9 +43,10 @@ class TokenGroups:
     # the non-empty slots lie in [slot_lo, slot_hi): the torch paths run over that range only
     slot_lo: int
     slot_hi: int
-    # (lo, hi) when the sorted tokens are exactly lo..hi-1 (one adapter per step, or rows in
-    # slot order, e.g. a single prefill): the torch paths then read and add in place
-    run: tuple[int, int] | None
+    # (slot, lo, hi) per non-empty slot when each slot's tokens are the consecutive tokens
+    # lo..hi-1 and the groups are large (prefills, one adapter per step): the torch path then
+    # reads x and adds into y in place, projection by projection, with no gather or scatter
+    runs: list[tuple[int, int, int]] | None
     # Padded groups, when padding every slot of the range to max_count tokens at most doubles
     # the rows: one batched GEMM instead of one GEMM per slot (small decode groups pay per
     # call, not per FLOP). pad_tokens [G * max_count]: the token each padded row reads (pads
@@ -70,8 +71,14 @@ def group_tokens(token_slots: np.ndarray, num_slots: int, device: torch.device
     ends = np.cumsum(counts, dtype=np.int32)
     starts = ends - counts
     spans = [(s, int(starts[s]), int(ends[s])) for s in np.flatnonzero(counts).tolist()]
-    lo, hi = int(tokens[0]), int(tokens[-1]) + 1
-    run = (lo, hi) if hi - lo == n and bool((np.diff(tokens) == 1).all()) else None
+    runs = None
+    if n >= RUN_TOKENS * len(spans):
+        firsts = tokens[[a for _, a, _ in spans]]
+        lasts = tokens[[b - 1 for _, _, b in spans]]
+        if all(last - first == b - a - 1 for first, last, (_, a, b)
+               in zip(firsts.tolist(), lasts.tolist(), spans, strict=True)):
+            runs = [(s, f, f + b - a) for f, (s, a, b) in zip(firsts.tolist(), spans,
+                                                               strict=True)]
     slot_lo, slot_hi = spans[0][0], spans[-1][0] + 1
     m = int(counts.max())
 
@@ -89,22 +96,25 @@ def group_tokens(token_slots: np.ndarray, num_slots: int, device: torch.device
         valid = dev(pos.astype(np.int64)) if rows != n else None
     return TokenGroups(tokens=dev(tokens.astype(np.int64)), tokens32=dev(tokens.astype(np.int32)),
                        ends=dev(ends), starts=dev(starts), counts=dev(counts), max_count=m,
-                       spans=spans, slot_lo=slot_lo, slot_hi=slot_hi, run=run,
+                       spans=spans, slot_lo=slot_lo, slot_hi=slot_hi, runs=runs,
                        pad_tokens=pad_tokens, valid=valid)
 
+
+# tokens per slot (on average) from which consecutive groups take one GEMM per slot and packed
+# projection in place rather than a gather, batched GEMMs and a scatter
+RUN_TOKENS = 32
 
 # A path adds the LoRA products of one linear to its output y in place.
 LoRAPath = Callable[[torch.Tensor, torch.Tensor, "SlotBuffers", TokenGroups], None]
 
 
 def add_grouped(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGroups) -> None:
+    if g.runs is not None:
+        return _add_runs(x, y, bufs, g.runs)
     lo, hi = g.slot_lo, g.slot_hi
     a_t, b_t = bufs.a_t[lo:hi], bufs.b_t[lo:hi]  # b_t is block-diagonal: one expand GEMM
     if g.pad_tokens is not None:
-        if g.run and g.valid is None:  # the padded layout is the run itself
-            xs = x[g.run[0]:g.run[1]]
-        else:
-            xs = x.index_select(0, g.pad_tokens)
+        xs = x.index_select(0, g.pad_tokens)
         d = torch.bmm(torch.bmm(xs.view(hi - lo, g.max_count, -1), a_t), b_t)
         d = d.view(xs.shape[0], -1)
         if g.valid is not None:
@@ -112,23 +122,30 @@ def add_grouped(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGro
     elif not bufs.grouped_mm_ok:
         return add_loop(x, y, bufs, g)
     else:
-        xs = x[g.run[0]:g.run[1]] if g.run else x.index_select(0, g.tokens)
         ends = g.ends[lo:hi]
+        xs = x.index_select(0, g.tokens)
         d = torch._grouped_mm(torch._grouped_mm(xs, a_t, offs=ends), b_t, offs=ends)
-    if g.run:
-        y[g.run[0]:g.run[1]] += d
-    else:
-        y.index_add_(0, g.tokens, d)
+    y.index_add_(0, g.tokens, d)
+
+
+def _add_runs(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers,
+              runs: list[tuple[int, int, int]]) -> None:
+    """Large consecutive groups: the shrink on a view of x, each packed projection's expand
+    through its own diagonal block of b_t, accumulated into its columns of y (no zero blocks
+    multiplied, no temporary of y's size)."""
+    r, off = bufs.rank, bufs.offsets
+    for slot, lo, hi in runs:
+        t = x[lo:hi] @ bufs.a_t[slot]
+        b = bufs.b_t[slot]
+        for j in range(bufs.num_slices):
+            y[lo:hi, off[j]:off[j + 1]].addmm_(t[:, j * r:(j + 1) * r],
+                                               b[j * r:(j + 1) * r, off[j]:off[j + 1]])
 
 
 def add_loop(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGroups) -> None:
     for slot, start, end in g.spans:
-        if g.run:
-            lo = g.run[0]
-            y[lo + start:lo + end] += x[lo + start:lo + end] @ bufs.a_t[slot] @ bufs.b_t[slot]
-        else:
-            rows = g.tokens[start:end]
-            y.index_add_(0, rows, x.index_select(0, rows) @ bufs.a_t[slot] @ bufs.b_t[slot])
+        rows = g.tokens[start:end]
+        y.index_add_(0, rows, x.index_select(0, rows) @ bufs.a_t[slot] @ bufs.b_t[slot])
 
 
 def add_triton(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGroups) -> None:

@@ -43,18 +43,21 @@ def test_uneven_groups_take_grouped_gemms(add):
 
 
 @pytest.mark.parametrize("add", [add_grouped, add_loop], ids=["grouped", "loop"])
-def test_one_run_of_tokens(add):
-    bufs, weights, x, y, slots = lora_case(40, torch.float32, CPU, packed=False)
+def test_consecutive_groups_run_in_place(add):
+    """Prefill-like: each slot's tokens consecutive (not in slot order), groups >= 32."""
+    bufs, weights, x, y, slots = lora_case(200, torch.float32, CPU, packed=False)
     slots[:] = -1
-    slots[5:30] = [0] * 10 + [1] * 5 + [3] * 10  # consecutive and in slot order
-    assert group_tokens(slots, 4, CPU).run == (5, 30)
+    slots[10:74], slots[80:112], slots[120:184] = 3, 1, 0
+    assert group_tokens(slots, 4, CPU).runs == [(0, 120, 184), (1, 80, 112), (3, 10, 74)]
     _check(add, bufs, weights, x, y, slots, torch.float32)
+    slots[150] = 3  # slot 3's tokens are no longer consecutive
+    assert group_tokens(slots, 4, CPU).runs is None
 
 
 def test_groups_are_sorted_by_slot_and_stable():
     assert group_tokens(np.full(9, -1, dtype=np.int32), 4, CPU) is None
     g = group_tokens(np.array([3, -1, 0, 3, 0, -1, 1], dtype=np.int32), 4, CPU)
-    assert g is not None and g.run is None
+    assert g is not None and g.runs is None
     assert g.tokens.tolist() == [2, 4, 6, 0, 3]
     assert g.counts.tolist() == [2, 1, 0, 2] and g.ends.tolist() == [2, 3, 3, 5]
     assert g.spans == [(0, 0, 2), (1, 2, 3), (3, 3, 5)] and g.max_count == 2

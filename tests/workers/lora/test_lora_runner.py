@@ -59,6 +59,15 @@ def test_swaps_and_host_cache_evictions_equal_peft(lora_world):
     assert waves == [_expected(w, wave) for wave in SWAPS]
 
 
+def test_long_prefills_equal_peft(lora_world):
+    """Prompts of 40+ tokens: their prefill takes the in-place path of consecutive groups."""
+    w = lora_world
+    prompts = [[(3 * j + 7 * i) % 251 + 1 for j in range(40 + 3 * i)] for i in range(3)]
+    wave = dict(prompts=prompts, loras=[2, 0, 3], ops=[[0, 2], [1, 3]])
+    (got,) = run_spec(_runner(w.base), dict(adapters=w.adapters, waves=[wave], max_new=4))
+    assert got == w.expected(prompts, wave["loras"], 4)
+
+
 @pytest.mark.slow
 def test_tp2_equals_peft(lora_world, tmp_path):
     w = lora_world
