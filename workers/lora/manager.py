@@ -94,6 +94,13 @@ class LoRAManager:
             return
         errors = []
         for op in ops:
+            if not 0 <= op.slot < self.slots.num_slots or op.lora_int_id < 0:
+                raise StateMismatchError(f"LoRA slot op {op}: slot or id out of range "
+                                         f"(max_loras={self.slots.num_slots})")
+            self._changed.add(op.slot)
+            moved = self.slots.id_to_slot.get(op.lora_int_id)
+            if moved is not None:  # the adapter leaves its old slot: check that one too
+                self._changed.add(moved)
             try:
                 self.slots.apply(op)
                 errors.append("")
@@ -102,7 +109,6 @@ class LoRAManager:
                               else f"{type(e).__name__}: {e}")
         agreed = tp_all_reduce_min([0 if e else 1 for e in errors], self.device)
         for op, err, ok in zip(ops, errors, agreed, strict=True):
-            self._changed.add(op.slot)
             if op.lora_int_id == 0:
                 continue
             if ok:

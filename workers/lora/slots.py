@@ -20,7 +20,6 @@ from collections import OrderedDict
 import torch
 
 from protocol.lora import LoRASlotOp
-from workers.lora.peft_config import LoRAAdapterError
 from workers.lora.weights import LoRATarget, PreparedAdapter, TargetWeights, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -133,10 +132,9 @@ class LoRASlots:
             self.slot_ids[slot] = 0
 
     def apply(self, op: LoRASlotOp) -> None:
-        """Carry out one slot op. On LoRAAdapterError (the files vanished or changed since
-        the adapter was registered) the slot is left empty and the error raised."""
-        if not 0 <= op.slot < self.num_slots:
-            raise LoRAAdapterError(f"slot {op.slot} out of range (max_loras={self.num_slots})")
+        """Carry out one slot op (its slot in range). On LoRAAdapterError (the files vanished
+        or changed since the adapter was registered) the slot is left empty and the error
+        raised."""
         old = self.slot_ids[op.slot]
         if old:
             self.id_to_slot.pop(old, None)

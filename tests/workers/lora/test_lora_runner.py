@@ -45,9 +45,14 @@ def _runner(base: str, **kw: object) -> ModelRunner:
 
 def test_mixed_batch_equals_peft(lora_world):
     w = lora_world
-    (got,) = run_spec(_runner(w.base), dict(adapters=w.adapters, waves=[WAVE1],
-                                            max_new=MAX_NEW, prepare=[1, 2, 3]))
+    runner = _runner(w.base)
+    (got,) = run_spec(runner, dict(adapters=w.adapters, waves=[WAVE1], max_new=MAX_NEW,
+                                   prepare=[1, 2, 3]))
     assert got == _expected(w, WAVE1)
+    # the slot buffers: 3 slots x rank 32 of every projection, reported by the KV sizing
+    plan = runner.plan_kv_cache()
+    assert plan.lora_bytes == runner.lora.nbytes > 3 * 32 * 4 * (96 + 129) * 7
+    assert "LoRA slots" in plan.log_line(0, "cpu")
 
 
 def test_swaps_and_host_cache_evictions_equal_peft(lora_world):
