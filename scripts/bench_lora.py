@@ -5,7 +5,7 @@ and, per repeat and interleaved (A/B/A/B...), the median step time of:
 
 - decode at batch 64 and a prefill of 8 x 512 tokens: LoRA disabled, LoRA enabled with
   base-model traffic only, and every request on an adapter with 1, 8 and 32 distinct adapters
-  in the batch (32 slots);
+  in the batch (32 slots; the prefill's 8 requests use at most 8 of them);
 - cold load (read + check + slice an adapter into the host cache) and warm swap (a slot op
   from the host cache);
 - thrash: 16 adapters over 8 slots, each step admits 8 short requests whose adapters are not
@@ -82,6 +82,7 @@ class Bench:
                            max_num_batched_tokens=8 * max_len, **lora)  # type: ignore[arg-type]
         self.runner = ModelRunner(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
         self.runner.load_model()
+        self.vocab = load_model_config(model).vocab_size
         self.runner.init_kv_cache()
         self.step_id = 0
         self.handle = 0
@@ -107,7 +108,7 @@ class Bench:
         handles = list(range(self.handle, self.handle + len(loras)))
         self.handle += len(loras)
         blocks = -(-(prompt_len + 64) // BS)
-        new = [NewRequestData(handle=h, prompt_token_ids=pack([(h * 7 + j) % 500 + 1
+        new = [NewRequestData(handle=h, prompt_token_ids=pack([(h * 7 + j) % (self.vocab - 1) + 1
                                                               for j in range(prompt_len)]),
                               sampling_params=SamplingParams(temperature=0.0),
                               block_ids=pack(list(range(1 + i * blocks, 1 + (i + 1) * blocks))),
@@ -158,7 +159,9 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, paths: dict[int, str]) -> dict:
-    max_len = 640
+    # a prefill of 8 x 512 tokens (fewer where the model's context is shorter), decodes of 64
+    max_len = min(576, load_model_config(args.model).max_position_embeddings)
+    prompt = max_len - 64
     off = Bench(args.model, max_len)
     on = Bench(args.model, max_len, enable_lora=True, max_loras=32, max_lora_rank=args.rank,
                max_cpu_loras=48)
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace, paths: dict[int, str]) -> dict:
             loras = [1 + i % k if k else 0 for i in range(64)]
             b.wave(64, loras, [])
             steps = b.decode(args.decode_steps)
-            pre = b.wave(512, loras[:8], [])
+            pre = b.wave(prompt, loras[:8], [])
             if rep >= args.warmup:
                 decode[name].append(Timing(*(statistics.median(x)
                                              for x in zip(*steps, strict=True))))
@@ -207,6 +210,7 @@ def run(args: argparse.Namespace, paths: dict[int, str]) -> dict:
         return round(100 * (t[a] / t[b] - 1), 2)
 
     result: dict = {"model": args.model, "rank": args.rank, "threads": args.threads,
+                    "prefill_tokens_per_request": prompt,
                     "repeats": args.repeats, "kernel_path": on.runner.lora.state.path_name}
     for field in ("wall", "cpu"):
         d, p = table(decode, field), table(prefill, field)
