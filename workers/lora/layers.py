@@ -34,7 +34,8 @@ class LoRAState:
 
 
 class LoRAColumnParallelLinear(nn.Module):
-    """Column-parallel: y = base(x) (this rank's output rows), then y += x A^T B_rank^T."""
+    """Column-parallel: y = base(x) (this rank's output rows, ColumnParallelLinear.forward),
+    then y += x A^T B_rank^T."""
 
     def __init__(self, base: ColumnParallelLinear, bufs: SlotBuffers, state: LoRAState) -> None:
         super().__init__()
@@ -42,7 +43,8 @@ class LoRAColumnParallelLinear(nn.Module):
         self.add = path_for(state.path_name, bufs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        base = self.base  # its forward, without a second module call per linear
+        y = linear(x, base.weight, base.packed, base.bias)
         g = self.state.groups
         if g is not None:
             self.add(x, y, self.bufs, g)
