@@ -26,7 +26,7 @@ from protocol.config import EngineConfig, default_max_batched_tokens
 from protocol.lora import LoRARequest, LoRASlotOp
 from workers.lora.grouped import group_tokens, select_path
 from workers.lora.layers import LoRAState, install
-from workers.lora.peft_config import LoRAAdapterError
+from workers.lora.peft_config import LoRAAdapterError, max_rank
 from workers.lora.slots import LoRASlots
 from workers.lora.weights import lora_targets
 from workers.parallel.distributed import tp_all_reduce_min
@@ -40,11 +40,26 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_LORA_RANK = 16  # max_lora_rank None (no --max-lora-rank and no start-up adapters)
 
 
+def slot_rank(config: EngineConfig) -> int:
+    """The rank of every slot: max_lora_rank, else (None) the largest rank among the start-up
+    adapters (--lora-modules) this rank can read, else 16. An unreadable start-up adapter is
+    left to its PrepareLoRA, which answers why."""
+    if config.max_lora_rank is not None:
+        return config.max_lora_rank
+    ranks = []
+    for m in config.lora_modules:
+        try:
+            ranks.append(max_rank(m.lora_path))
+        except (LoRAAdapterError, OSError):
+            pass
+    return max(ranks, default=DEFAULT_MAX_LORA_RANK)
+
+
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, batch: InputBatch,
                  dtype: torch.dtype, device: torch.device, path: str | None = None) -> None:
         """``path``: the kernel path (grouped.PATHS), None to choose it for the device."""
-        self.rank = config.max_lora_rank or DEFAULT_MAX_LORA_RANK
+        self.rank = slot_rank(config)
         targets = lora_targets(model)
         if not targets:
             raise ValueError("--enable-lora: this model has no linear layer LoRA can adapt")
@@ -73,6 +88,9 @@ class LoRAManager:
 
     def prepare(self, lora: LoRARequest, content_hash: str) -> str:
         """PrepareLoRA: read, check and slice into the host cache; the refusal, or ""."""
+        held = self.slots.host.get(lora.lora_int_id)
+        if held is not None and content_hash and held.content_hash == content_hash:
+            return ""  # this very content is in host memory already
         try:
             self.slots.load(lora.lora_int_id, lora.lora_path, content_hash)
         except LoRAAdapterError as e:

@@ -138,5 +138,10 @@ def test_refused_adapters_are_answers_not_crashes(lora_world, tmp_path):
     err = runner.prepare_lora(LoRARequest("gone", 4, str(tmp_path / "nowhere")), "")
     assert "not a directory" in err
     assert runner.prepare_lora(LoRARequest("ok", 1, w.adapters[0]), "") == ""
+    # max_lora_rank None: the largest rank among the start-up adapters (32), else 16
+    assert _runner(w.base, max_lora_rank=None, lora_modules=[
+        LoRARequest("a", 1, w.adapters[0]), LoRARequest("c", 3, w.adapters[2]),
+        LoRARequest("gone", 4, str(tmp_path / "nowhere"))]).lora.rank == 32
+    assert _runner(w.base, max_lora_rank=None).lora.rank == 16
     other = make_runner()  # LoRA not enabled
     assert "LoRA is not enabled" in other.prepare_lora(LoRARequest("ok", 1, w.adapters[0]), "")
