@@ -11,10 +11,13 @@ import os
 import pytest
 import torch
 
-from protocol.codec import unpack
-from protocol.lora import LoRASlotOp
+from protocol.codec import pack, unpack
+from protocol.lora import LoRARequest, LoRASlotOp, LoRAStep
+from protocol.messages import NewRequestData, ResumedRequestData, SamplingParams
+from protocol.messages import SchedulerOutput as SO
 from tests.helpers.lora import LoRADriver, lora_config, run_spec, slot_op
 from tests.helpers.multiproc import run_ranks
+from tests.helpers.runner import make_runner
 from workers.parallel.distributed import DistEnv
 from workers.runner.input_batch import StateMismatchError
 from workers.runner.model_runner import ModelRunner
@@ -118,18 +121,13 @@ def test_replacing_a_running_requests_adapter_is_a_state_mismatch(lora_world):
     driver = LoRADriver(_runner(w.base))
     driver.wave(PROMPTS[:1], [1], [slot_op(0, 1, w.adapters[0])], 1)
     # the request still runs (not finished) when its slot gets another adapter
-    from protocol.lora import LoRAStep
-    from protocol.messages import SchedulerOutput
-
-    so = SchedulerOutput(step_id=driver.step_id, num_running=1, total_num_scheduled_tokens=1,
+    so = SO(step_id=driver.step_id, num_running=1, total_num_scheduled_tokens=1,
                          lora=LoRAStep(ops=[slot_op(0, 2, w.adapters[1])]))
     with pytest.raises(StateMismatchError, match="slot 0"):
         driver.runner.execute(so)
 
 
 def test_refused_adapters_are_answers_not_crashes(lora_world, tmp_path):
-    from protocol.lora import LoRARequest
-    from tests.helpers.runner import make_runner
 
     w = lora_world
     runner = _runner(w.base, max_lora_rank=16)
@@ -145,3 +143,42 @@ def test_refused_adapters_are_answers_not_crashes(lora_world, tmp_path):
     assert _runner(w.base, max_lora_rank=None).lora.rank == 16
     other = make_runner()  # LoRA not enabled
     assert "LoRA is not enabled" in other.prepare_lora(LoRARequest("ok", 1, w.adapters[0]), "")
+
+
+def test_resumed_request_finds_its_adapter_in_a_new_slot(lora_world):
+    """Preempted, its slot given to another adapter, resumed with its adapter in another slot:
+    the row looks its slot up again, and the tokens still equal peft's."""
+    w = lora_world
+    runner = _runner(w.base)
+    p0, p1 = PROMPTS[3], PROMPTS[5]
+    sp = SamplingParams(temperature=0.0)
+    out: dict[int, list[int]] = {0: [], 1: []}
+
+    def run(so: SO) -> None:
+        res = runner.execute(so)
+        for h, t in zip(unpack(res.req_handles), unpack(res.sampled_token_ids), strict=True):
+            out[h].append(t)
+
+    def new(h: int, p: list[int], blocks: range) -> NewRequestData:
+        return NewRequestData(handle=h, prompt_token_ids=pack(p), sampling_params=sp,
+                              block_ids=pack(list(blocks)), num_computed_tokens=0,
+                              num_scheduled_tokens=len(p))
+
+    run(SO(step_id=0, new_reqs=[new(0, p0, range(1, 11)), new(1, p1, range(11, 21))],
+           num_running=2, total_num_scheduled_tokens=len(p0) + len(p1),
+           lora=LoRAStep(ops=[slot_op(0, 1, w.adapters[0]), slot_op(1, 2, w.adapters[1])],
+                         handles=pack([0, 1]), lora_int_ids=pack([1, 2]))))
+    run(SO(step_id=1, num_running=2, total_num_scheduled_tokens=2))
+    run(SO(step_id=2, preempted_handles=pack([0]), num_running=1, total_num_scheduled_tokens=1,
+           lora=LoRAStep(ops=[slot_op(0, 3, w.adapters[2])])))
+    n0 = len(p0) + len(out[0])
+    run(SO(step_id=3, resumed_reqs=[ResumedRequestData(handle=0, block_ids=pack(range(21, 31)),
+                                                       num_computed_tokens=0,
+                                                       num_scheduled_tokens=n0)],
+           num_running=2, total_num_scheduled_tokens=n0 + 1,
+           lora=LoRAStep(ops=[slot_op(2, 1, w.adapters[0])])))
+    assert runner.input_batch.lora_slot[runner.input_batch.states[0].row] == 2
+    for step in range(4, 4 + MAX_NEW):
+        run(SO(step_id=step, num_running=2, total_num_scheduled_tokens=2))
+    want = w.expected([p0, p1], [1, 2], MAX_NEW)
+    assert [out[0][:MAX_NEW], out[1][:MAX_NEW]] == want
