@@ -112,40 +112,53 @@ def add_grouped(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGro
     if g.runs is not None:
         return _add_runs(x, y, bufs, g.runs)
     lo, hi = g.slot_lo, g.slot_hi
-    a_t, b_t = bufs.a_t[lo:hi], bufs.b_t[lo:hi]  # b_t is block-diagonal: one expand GEMM
+    a_t, b_t = bufs.a_t[lo:hi], bufs.b_t[lo:hi]
     if g.pad_tokens is not None:
-        xs = x.index_select(0, g.pad_tokens)
-        d = torch.bmm(torch.bmm(xs.view(hi - lo, g.max_count, -1), a_t), b_t)
-        d = d.view(xs.shape[0], -1)
+        xs = x.index_select(0, g.pad_tokens).view(hi - lo, g.max_count, -1)
+        d = _expand(torch.bmm(xs, a_t), b_t, bufs).view(len(g.pad_tokens), -1)
         if g.valid is not None:
             d = d.index_select(0, g.valid)
     elif not bufs.grouped_mm_ok:
         return add_loop(x, y, bufs, g)
     else:
         ends = g.ends[lo:hi]
-        xs = x.index_select(0, g.tokens)
-        d = torch._grouped_mm(torch._grouped_mm(xs, a_t, offs=ends), b_t, offs=ends)
+        t = torch._grouped_mm(x.index_select(0, g.tokens), a_t, offs=ends)
+        r, off = bufs.rank, bufs.offsets
+        d = torch.cat([torch._grouped_mm(t[:, j * r:(j + 1) * r], b_t[:, :, off[j]:off[j + 1]],
+                                         offs=ends) for j in range(bufs.num_slices)], dim=1)
     y.index_add_(0, g.tokens, d)
+
+
+def _expand(t: torch.Tensor, b_t: torch.Tensor, bufs: SlotBuffers) -> torch.Tensor:
+    """Each packed projection's rank block of the shrink t [..., NS * R] times its columns of
+    b_t [..., R, out] -> [..., out] (batched over leading dims, as matmul broadcasts)."""
+    if bufs.num_slices == 1:
+        return torch.matmul(t, b_t)
+    r, off = bufs.rank, bufs.offsets
+    d = t.new_empty(*t.shape[:-1], b_t.shape[-1])
+    for j in range(bufs.num_slices):
+        torch.matmul(t[..., j * r:(j + 1) * r], b_t[..., off[j]:off[j + 1]],
+                     out=d[..., off[j]:off[j + 1]])
+    return d
 
 
 def _add_runs(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers,
               runs: list[tuple[int, int, int]]) -> None:
     """Large consecutive groups: the shrink on a view of x, each packed projection's expand
-    through its own diagonal block of b_t, accumulated into its columns of y (no zero blocks
-    multiplied, no temporary of y's size)."""
+    accumulated into its columns of y in place (no temporary of y's size)."""
     r, off = bufs.rank, bufs.offsets
     for slot, lo, hi in runs:
         t = x[lo:hi] @ bufs.a_t[slot]
         b = bufs.b_t[slot]
         for j in range(bufs.num_slices):
-            y[lo:hi, off[j]:off[j + 1]].addmm_(t[:, j * r:(j + 1) * r],
-                                               b[j * r:(j + 1) * r, off[j]:off[j + 1]])
+            y[lo:hi, off[j]:off[j + 1]].addmm_(t[:, j * r:(j + 1) * r], b[:, off[j]:off[j + 1]])
 
 
 def add_loop(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGroups) -> None:
     for slot, start, end in g.spans:
         rows = g.tokens[start:end]
-        y.index_add_(0, rows, x.index_select(0, rows) @ bufs.a_t[slot] @ bufs.b_t[slot])
+        t = x.index_select(0, rows) @ bufs.a_t[slot]
+        y.index_add_(0, rows, _expand(t, bufs.b_t[slot], bufs))
 
 
 def add_triton(x: torch.Tensor, y: torch.Tensor, bufs: SlotBuffers, g: TokenGroups) -> None:
@@ -163,11 +176,14 @@ def path_for(path: str, bufs: SlotBuffers) -> LoRAPath:
     16-byte aligned strides, which odd feature counts (tiny test models, some TP slices) do
     not have: such a target's grouped path runs its unpadded steps through the loop."""
     if path == "grouped":
-        a_t, b_t = bufs.a_t, bufs.b_t
-        x = torch.zeros(3, a_t.shape[1], dtype=a_t.dtype, device=a_t.device)
-        ends = torch.full((a_t.shape[0],), 3, dtype=torch.int32, device=a_t.device)
+        x = torch.zeros(3, bufs.a_t.shape[1], dtype=bufs.a_t.dtype, device=bufs.a_t.device)
+        g = TokenGroups(tokens=torch.arange(3), tokens32=torch.arange(3, dtype=torch.int32),
+                        ends=torch.full((bufs.a_t.shape[0],), 3, dtype=torch.int32),
+                        starts=torch.zeros(0), counts=torch.zeros(0), max_count=3, spans=[],
+                        slot_lo=0, slot_hi=bufs.a_t.shape[0], runs=None, pad_tokens=None,
+                        valid=None)
         try:
-            torch._grouped_mm(torch._grouped_mm(x, a_t, offs=ends), b_t, offs=ends)
+            add_grouped(x, torch.zeros(3, bufs.b_t.shape[2], dtype=x.dtype), bufs, g)
         except (AttributeError, RuntimeError, NotImplementedError):  # or an older torch
             bufs.grouped_mm_ok = False
     return PATHS[path]

@@ -32,11 +32,9 @@ class SlotBuffers:
     per packed projection) and b [S, out_features, R] (lora_B, the scaling folded in); each
     projection's expand reads its own rows of b.
 
-    torch (otherwise): a_t [S, in_features, NS * R] and a block-diagonal b_t [S, NS * R,
-    out_features] (projection j's rank block maps only to its own columns), both contiguous:
-    the shrink and the expand are one plain GEMM per slot each, whatever NS. On CPU small
-    GEMMs cost their call more than their FLOPs, so NS times the (rank-sized) expand FLOPs
-    buys NS - 1 fewer GEMMs and no concatenation.
+    torch (otherwise): a_t [S, in_features, NS * R] (the shrink of all packed projections is
+    one GEMM per slot) and b_t [S, R, out_features], lora_B transposed: projection j's expand
+    multiplies its rank block of the shrink by b_t's columns [offsets[j], offsets[j + 1]).
     """
 
     def __init__(self, target: LoRATarget, num_slots: int, rank: int, dtype: torch.dtype,
@@ -54,7 +52,7 @@ class SlotBuffers:
             self.a, self.b = zeros(ns * rank, k), zeros(n, rank)
             self.offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=device)
         else:
-            self.a_t, self.b_t = zeros(k, ns * rank), zeros(ns * rank, n)
+            self.a_t, self.b_t = zeros(k, ns * rank), zeros(rank, n)
         self.grouped_mm_ok = True  # torch's grouped GEMM takes these strides (grouped.py)
 
     @property
@@ -75,8 +73,7 @@ class SlotBuffers:
                 return
             r = w.a.shape[1]
             a_t.view(-1, ns, rank)[:, :, :r].copy_(w.a.permute(2, 0, 1), non_blocking=True)
-            for j, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:], strict=False)):
-                b_t[j * rank:j * rank + r, lo:hi].copy_(w.b[lo:hi].T, non_blocking=True)
+            b_t[:r].copy_(w.b.T, non_blocking=True)
             return
         a = self.a[slot].view(ns, rank, -1)
         b = self.b[slot]
