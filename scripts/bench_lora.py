@@ -1,7 +1,8 @@
 """Multi-LoRA cost at the runner level (one rank, no IPC): what serving adapters adds to a step.
 
 Rank-16 adapters on all seven projections (written as PEFT directories for the model's shapes)
-and, per repeat and interleaved (A/B/A/B...), the median step time of:
+and, per repeat and interleaved (A/B/A/B...) over two runners of each kind, the median step
+time of:
 
 - decode at batch 64 and a prefill of 8 x 512 tokens: LoRA disabled, LoRA enabled with
   base-model traffic only, and every request on an adapter with 1, 8 and 32 distinct adapters
@@ -162,26 +163,35 @@ def run(args: argparse.Namespace, paths: dict[int, str]) -> dict:
     # a prefill of 8 x 512 tokens (fewer where the model's context is shorter), decodes of 64
     max_len = min(576, load_model_config(args.model).max_position_embeddings)
     prompt = max_len - 64
-    off = Bench(args.model, max_len)
-    on = Bench(args.model, max_len, enable_lora=True, max_loras=32, max_lora_rank=args.rank,
-               max_cpu_loras=48)
-    cold = [on.prepare(i, p) for i, p in paths.items()]
-    on.wave(4, [0], [on.op(s, s + 1) for s in range(32)])  # all 32 in their slots
+    # Two runners of each kind, built alternately: two runners of the same kind differ by a
+    # few percent (where their buffers landed), which must not pass for LoRA's cost.
+    offs, ons = [], []
+    for _ in range(2):
+        offs.append(Bench(args.model, max_len))
+        ons.append(Bench(args.model, max_len, enable_lora=True, max_loras=32,
+                         max_lora_rank=args.rank, max_cpu_loras=48))
+    cold = [ons[0].prepare(i, p) for i, p in paths.items()]
+    for i, p in paths.items():
+        ons[1].prepare(i, p)
+    for b in ons:
+        b.wave(4, [0], [b.op(s, s + 1) for s in range(32)])  # all 32 in their slots
+    on = ons[0]
 
-    cases = {"disabled": (off, 0), "enabled_base": (on, 0), "adapters_1": (on, 1),
-             "adapters_8": (on, 8), "adapters_32": (on, 32)}
+    cases = {"disabled": (offs, 0), "enabled_base": (ons, 0), "adapters_1": (ons, 1),
+             "adapters_8": (ons, 8), "adapters_32": (ons, 32)}
     decode: dict[str, list[Timing]] = {k: [] for k in cases}
     prefill: dict[str, list[Timing]] = {k: [] for k in cases}
     for rep in range(args.warmup + args.repeats):  # interleaved: every case once per repeat
-        for name, (b, k) in cases.items():
+        for name, (benches, k) in cases.items():
             loras = [1 + i % k if k else 0 for i in range(64)]
-            b.wave(64, loras, [])
-            steps = b.decode(args.decode_steps)
-            pre = b.wave(prompt, loras[:8], [])
-            if rep >= args.warmup:
-                decode[name].append(Timing(*(statistics.median(x)
-                                             for x in zip(*steps, strict=True))))
-                prefill[name].append(pre)
+            for b in benches:
+                b.wave(64, loras, [])
+                steps = b.decode(args.decode_steps)
+                pre = b.wave(prompt, loras[:8], [])
+                if rep >= args.warmup:
+                    decode[name].append(Timing(*(statistics.median(x)
+                                                 for x in zip(*steps, strict=True))))
+                    prefill[name].append(pre)
 
     # warm swaps: a slot op whose adapter is in the host cache
     swap = []
