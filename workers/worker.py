@@ -29,10 +29,13 @@ from protocol.config import EngineConfig, worker_overlap_on
 from protocol.error_file import write_error_file
 from protocol.messages import (
     DropGrammars,
+    DropLoRA,
     GrammarReady,
     HealthPing,
     HealthPong,
+    LoRAReady,
     PrepareGrammar,
+    PrepareLoRA,
     ProfileControl,
     ResetPrefixCache,
     SchedulerOutput,
@@ -221,6 +224,10 @@ class Worker:
                 self.answer_grammars()  # a cached grammar is ready at once
             elif isinstance(msg, DropGrammars):
                 self.drop_grammars(msg.grammar_ids)
+            elif isinstance(msg, PrepareLoRA):
+                self.prepare_lora(msg)
+            elif isinstance(msg, DropLoRA):
+                self.runner.drop_lora(msg.lora_int_id)
 
     def answer_grammars(self) -> None:
         """Tell the core which of its grammars this rank has compiled (or failed to), with
@@ -245,6 +252,12 @@ class Worker:
         gone = set(grammar_ids)
         for ticket in [t for t, (_, _, g) in self.grammar_tickets.items() if g in gone]:
             del self.grammar_tickets[ticket]
+
+    def prepare_lora(self, msg: PrepareLoRA) -> None:
+        """Read, check and slice the adapter now (a rare event: the steps queued behind it
+        wait for the read) and answer; a refused adapter is an answer, never a crash."""
+        error = self.runner.prepare_lora(msg.lora, msg.content_hash)
+        self.send(LoRAReady(rank=self.rank, lora_int_id=msg.lora.lora_int_id, error=error))
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:

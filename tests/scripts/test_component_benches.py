@@ -39,6 +39,11 @@ CASES = {
         ["--num-reqs", "16", "--steps", "10", "--runs", "1"],
         ["prep_us", "naive_prep_us"],
     ),
+    "bench_lora.py": (
+        ["--model", "dummy:micro", "--repeats", "1", "--warmup", "0", "--decode-steps", "1"],
+        ["decode64_cpu_enabled_base_vs_disabled_pct", "decode64_cpu_adapters_8_vs_disabled_pct",
+         "cold_load_ms", "warm_swap_ms", "thrash_16_over_8_step_ms"],
+    ),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,8 +34,10 @@ from workers.sample.sampler import Sampler, tokens_checksum
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from protocol.lora import LoRARequest
     from protocol.structured import StructuredOutputsParams
     from workers.kv_offload.host_pool import KVOffloadExecutor
+    from workers.lora.manager import LoRAManager
     from workers.model.config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
     from workers.runner.cuda_graphs import CudaGraphRunner
@@ -98,6 +101,8 @@ class ModelRunner:
         # grammar matchers of constrained requests; built on the first one (xgrammar loads
         # only then)
         self.structured: StructuredOutputs | None = None
+        # LoRA adapters' slots and layer wrappers (workers/lora/); None without --enable-lora
+        self.lora: LoRAManager | None = None
 
     def _make_structured(self) -> StructuredOutputs:
         if self.structured is None:
@@ -158,6 +163,11 @@ class ModelRunner:
             num_groups=self.num_kv_groups,
         )
         self.model.set_attention_backend(self.config.attention_backend)
+        if self.config.enable_lora:  # slot buffers allocated before the KV cache is sized
+            from workers.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.config, self.input_batch, self.dtype,
+                                    self.device)
         if self.device.type == "cuda":
             budget = self.config.max_num_batched_tokens or GPU_MAX_BATCHED_TOKENS
             # A step's tokens fit the budget; drafts may add up to K per request on top.
@@ -194,8 +204,11 @@ class ModelRunner:
             raise RuntimeError("load_model() must run before plan_kv_cache()")
         plan = self.graph_plan()
         shapes = None if plan is None else (len(plan.buckets()), plan.max_tokens())
-        return plan_for_model(self.model, self.config, self.device, self.block_size,
-                              self.max_model_len, self.dist.rank, shapes)
+        lora = self.lora  # the profile forward (CUDA) runs every token through an adapter
+        with lora.worst_case() if lora is not None else nullcontext():
+            return plan_for_model(self.model, self.config, self.device, self.block_size,
+                                  self.max_model_len, self.dist.rank, shapes,
+                                  lora_bytes=lora.nbytes if lora is not None else 0)
 
     def init_kv_cache(self) -> int:
         """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
@@ -246,6 +259,16 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.close()
 
+    def prepare_lora(self, lora: LoRARequest, content_hash: str) -> str:
+        """PrepareLoRA: the adapter's slice into host memory; why it was refused, or ""."""
+        if self.lora is None:
+            return "LoRA is not enabled on this worker (--enable-lora)"
+        return self.lora.prepare(lora, content_hash)
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.drop(lora_int_id)
+
     def _settle_kv_loads(self) -> KVLoadResult | None:
         """Disk -> host reads that every rank finished (or any rank failed): the ranks agree
         on each read's state (MIN all-reduce, only in steps with reads in flight), so all of
@@ -280,8 +303,15 @@ class ModelRunner:
         batch = self.input_batch
         # new requests failing here belong to this step's output, not the one in flight's
         in_flight_failed, batch.failed = batch.failed, {}
+        lora = self.lora
         try:
+            if lora is not None and so.lora is not None:
+                # before the batch looks up its new rows' slots; a slot's weights are written
+                # in stream order, after the step in flight that may still read them
+                lora.apply_ops(so.lora.ops)
             batch.apply(so)
+            if lora is not None:
+                lora.check_rows()
             failed = batch.failed
         finally:
             batch.failed = in_flight_failed
@@ -290,7 +320,10 @@ class ModelRunner:
         if so.total_num_scheduled_tokens:
             inputs = step.inputs = batch.prepare_inputs()
             step.logits_indices = inputs.logits_indices
-            if self.graphs is not None and self.graphs.can_run(inputs):
+            # graphs are captured without LoRA: a step with adapter rows runs eagerly (the
+            # token groups by slot are set here for this step's forward)
+            with_lora = lora is not None and lora.begin_step(inputs)
+            if self.graphs is not None and not with_lora and self.graphs.can_run(inputs):
                 step.bucket, ids, step.logits_indices = self.graphs.stage(inputs)
             else:
                 step.eager = (self.staging.stage(inputs) if self.staging is not None
