@@ -18,14 +18,19 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
+from itertools import chain
 
 import msgspec
 import zmq
 
+from engine_core.census import core_census
 from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
 from engine_core.handshake import build_scheduler, collect_hellos
 from engine_core.kv_connector.engine_side import KVConnectorEngine, attach_connector
+from engine_core.lora.registry import NOT_ENABLED, LoRARegistry
+from engine_core.lora.registry import control as lora_control
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
@@ -50,6 +55,7 @@ from protocol.messages import (
     EngineStats,
     HealthReport,
     HealthRequest,
+    LoadLoRA,
     ModelRunnerOutput,
     ProfileControl,
     ProfileRequest,
@@ -57,6 +63,7 @@ from protocol.messages import (
     SchedulerOutput,
     Shutdown,
     ShutdownEngine,
+    UnloadLoRA,
     WorkerError,
 )
 from protocol.transport import Endpoints, recv_frame, secret_from_env
@@ -84,7 +91,14 @@ class EngineCore:
         self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
         # constrained requests waiting for every rank's compiled grammar before admission
-        self.grammars = GrammarGate(world_size)
+        self.grammars = GrammarGate(
+            world_size, config, publish=lambda m: self.link.pub.send(self.encoder.encode(m)))
+        # LoRA adapters: registered once, requests held until every rank has theirs
+        self.lora: LoRARegistry | None = None
+        if config.enable_lora:
+            self.lora = LoRARegistry(
+                world_size, lambda m: self.link.pub.send(self.encoder.encode(m))
+            )
         # disaggregated prefill / decode: the lease port and links to other engine cores
         self.kv: KVConnectorEngine | None = None
         if config.kv_transfer_config is not None:
@@ -101,6 +115,7 @@ class EngineCore:
         self.scheduler = build_scheduler(self.config, hellos)
         if self.kv is not None:
             attach_connector(self.kv, self.scheduler, hellos)
+        self.frontend.num_waiting = self.num_waiting
         h0 = hellos[0]
         self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
         self.vocab_size = h0.vocab_size
@@ -125,10 +140,12 @@ class EngineCore:
 
     def run(self) -> None:
         while not self.shutdown_requested:
-            busy = self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+            busy = (self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+                    or self._to_forget())
             if busy:
                 self._poll_frontend(0)
-            elif self.grammars or self.kv is not None:
+            elif self.grammars or self.kv is not None or (
+                    self.lora is not None and self.lora.busy):
                 self._wait_frontend_or_workers(int(PING_INTERVAL_S * 1000))
             else:
                 self._poll_frontend(int(PING_INTERVAL_S * 1000))
@@ -137,12 +154,15 @@ class EngineCore:
             self._settle_grammars()
             if self.kv is not None:  # the ranks' reports, lease messages, deadlines
                 self.kv.settle(self.scheduler, self.link.kv_reports)
+            if self.grammars:
+                self._flush(self.grammars.expire())
+            self._settle_loras()
             self.link.maybe_ping()
             self.link.check_alive()
             if self.shutdown_requested:
                 break
             self._flush(self.scheduler.take_outputs())
-            if self.scheduler.has_unfinished_requests() or self.in_flight:
+            if self.scheduler.has_unfinished_requests() or self.in_flight or self._to_forget():
                 self.step()
 
     def step(self) -> None:
@@ -155,13 +175,16 @@ class EngineCore:
         """
         depth = 2 if self.config.async_scheduling else 1
         in_flight = self.in_flight
-        if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
+        if len(in_flight) < depth and (self.scheduler.has_unfinished_requests()
+                                       or self._to_forget()):
             t0 = time.perf_counter()
             so = self.scheduler.schedule()
             t1 = time.perf_counter()
             frame = self.encoder.encode(so)
             t2 = time.perf_counter()
             self.link.pub.send(frame, copy=False)
+            if self.lora is not None:
+                self.lora.after_publish()  # DropLoRA after the step that empties its slot
             in_flight.append((so, (t0, t1, t2, time.perf_counter()), len(frame)))
             if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
                 return  # the first step of a burst: plan the next one before waiting
@@ -198,6 +221,18 @@ class EngineCore:
             else:
                 self._poll_frontend(timeout_ms)
 
+    def _to_forget(self) -> bool:
+        """Idle, but the workers still hold the state of requests that finished in the last
+        step: one step with nothing scheduled tells them (its finished_handles), so an idle
+        engine holds no request's state on any rank."""
+        return not self.in_flight and self.scheduler.has_handles_to_forget()
+
+    def num_waiting(self) -> int:
+        """Requests admitted but not running: the waiting queue (preempted ones included) and
+        those held until their grammar compiled or their LoRA adapter was read by every rank."""
+        held_lora = self.lora.num_held if self.lora is not None else 0
+        return len(self.scheduler.waiting) + len(self.grammars) + held_lora
+
     def _wait_frontend_or_workers(self, timeout_ms: int) -> None:
         """Idle but for held grammars: wake on a frontend message or a rank's answer, so a
         compiled grammar is admitted at once rather than at the next ping."""
@@ -206,6 +241,8 @@ class EngineCore:
         poller.register(self.link.results, zmq.POLLIN)
         for sock in self.kv.sockets if self.kv is not None else ():
             poller.register(sock, zmq.POLLIN)
+        if self.lora is not None:
+            poller.register(self.lora.wakeup_fd, zmq.POLLIN)  # an adapter's hash is done
         poller.poll(timeout_ms)
         self._poll_frontend(0)
 
@@ -223,6 +260,16 @@ class EngineCore:
                 failed.append(settled)
         replies.clear()
         self._flush(failed)
+
+    def _settle_loras(self) -> None:
+        """Let on the requests whose adapter every rank has, fail those a rank refused."""
+        if self.lora is not None:
+            go, failed = self.lora.settle(self.link.lora_replies)
+            for req in go:
+                self._admit(req)
+            self._flush(failed)
+            for result in self.lora.take_results():
+                self._send_frontend(result)
 
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""
@@ -274,6 +321,8 @@ class EngineCore:
         elif isinstance(msg, AbortRequests):
             ids = [r for r in msg.request_ids if r in self.inflight]
             self._flush(self.grammars.abort(ids))
+            if self.lora is not None:
+                self._flush(self.lora.abort(ids))
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             # Send the abort outputs (and free the ids) now: an AddRequest reusing an id in the
             # same burst must not be refused as a duplicate of the request just aborted.
@@ -293,6 +342,10 @@ class EngineCore:
                 )
         elif isinstance(msg, ShutdownEngine):
             self.shutdown_requested = True
+        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+            result = lora_control(self.lora, msg, self._lora_users, self.scheduler.lora)
+            if result is not None:
+                self._send_frontend(result)
 
     def _add_request(self, msg: AddRequest) -> None:
         job = msg.job if isinstance(msg, AddJobRequest) else None
@@ -304,6 +357,9 @@ class EngineCore:
         if msg.request_id in self.inflight:
             # Don't touch the first request: only the duplicate is refused.
             self._reject(msg.request_id, f"request id {msg.request_id!r} is already in flight")
+            return
+        if msg.lora is not None and self.lora is None:
+            self._reject(msg.request_id, NOT_ENABLED)
             return
         err = (
             (self.kv is None and msg.kv_transfer_params is not None
@@ -326,9 +382,25 @@ class EngineCore:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             kv_transfer_params=msg.kv_transfer_params,
+            lora=msg.lora,
             **job_fields(job),
         )
-        if msg.sampling_params.structured_outputs is not None:
+        if self.lora is not None and req.lora is not None:
+            # held until every rank has its adapter (None), or refused (the reason)
+            routed = self.lora.route(req)
+            if routed is None:
+                return
+            if isinstance(routed, str):
+                self.inflight.discard(req.request_id)
+                self._reject(req.request_id, routed)
+                return
+        self._admit(req)
+
+    def _lora_users(self) -> Iterable[Request]:
+        return chain(self.grammars.requests(), self.scheduler.requests.values())
+
+    def _admit(self, req: Request) -> None:
+        if req.sampling_params.structured_outputs is not None:
             # held until every rank compiled its grammar, so no step ever waits for one
             self.link.pub.send(self.encoder.encode(self.grammars.hold(req)))
         else:
@@ -352,9 +424,10 @@ class EngineCore:
             last_seen_s=[now - t for t in self.link.last_seen],
             steps=self.steps,
             num_running=int(stats.get("num_running", 0)),
-            num_waiting=int(stats.get("num_waiting", 0)) + len(self.grammars),
+            num_waiting=self.num_waiting(),
             kv_usage=float(stats.get("kv_usage", 0.0)),
-            stats=stats,
+            stats={**stats, **self.grammars.stats()},
+            census=core_census(self),
         )
 
     # ------------------------------------------------------------------ shutdown
@@ -377,6 +450,8 @@ class EngineCore:
         scheduler: Scheduler | None = getattr(self, "scheduler", None)  # None before handshake
         if scheduler is not None:
             scheduler.close()  # finishes the scheduler trace file
+        if self.lora is not None:
+            self.lora.close()
         try:
             self.link.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:

@@ -2,12 +2,16 @@
 
 It also keeps the ids of the requests in flight, so a finished request's id is free again the
 moment its last output is sent, and a duplicate id can be refused without touching the first.
+
+Every EngineOutputs carries the queue as the frontend needs it to bound its waiting requests
+(launch/admission.py): how many frames this link has read (every frame counts, a bad one too,
+so a request the frontend sent is never owed forever) and how many requests wait.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -35,11 +39,15 @@ class FrontendLink:
         self.encoder = encoder
         self.decoder = frontend_decoder(config.max_frame_bytes)
         self.inflight: set[str] = set()
+        self.frames_seen = 0
+        # requests admitted but not running; the core sets it once its scheduler exists
+        self.num_waiting: Callable[[], int] = lambda: 0
 
     def frames(self, timeout_ms: int) -> Iterator[bytes]:
         """Every frame waiting now, the first one waited for up to ``timeout_ms``."""
         frame = recv_frame(self.req_sock, timeout_ms)
         while frame is not None:
+            self.frames_seen += 1
             yield frame
             frame = recv_frame(self.req_sock, 0)
 
@@ -57,14 +65,17 @@ class FrontendLink:
         for o in outputs:
             if o.finish_reason is not None:
                 self.inflight.discard(o.request_id)
-        self.send(EngineOutputs(outputs, time.time()))
+        self.send(self._outputs(outputs))
+
+    def _outputs(self, outputs: list[RequestOutput]) -> EngineOutputs:
+        return EngineOutputs(outputs, time.time(), self.frames_seen, self.num_waiting())
 
     def reject(self, request_id: str, reason: str) -> None:
         """Finish a request the engine never took, with finish_reason 'error'."""
         out = RequestOutput(
             request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
         )
-        self.send(EngineOutputs([out], time.time()))
+        self.send(self._outputs([out]))
 
     def close(self) -> None:
         self.req_sock.close(0)

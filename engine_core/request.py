@@ -14,6 +14,7 @@ from typing import Any
 
 from protocol.codec import pack
 from protocol.kv_connector import KVTransferParams
+from protocol.lora import LoRARequest
 from protocol.messages import SamplingParams
 
 # Hash of one full block; bytes (sha256) or int (fast), see kv_cache_hashing.
@@ -89,6 +90,10 @@ class Request:
         "tool_name",
         "kv_transfer_params",
         "num_external_computed_tokens",
+        "lora",
+        "lora_int_id",
+        "lora_hash",
+        "lora_skips",
     )
 
     def __init__(
@@ -104,6 +109,7 @@ class Request:
         is_last_step: bool = False,
         tool_name: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         # P/D (engine_core/kv_connector/): a prefill to hand over, or KV to pull; None: neither
@@ -111,6 +117,14 @@ class Request:
         # prompt tokens whose KV a prefill engine sent and this request's blocks now hold
         # (local prefix hit included): admission counts them as computed, then resets it
         self.num_external_computed_tokens = 0
+        # the LoRA adapter it runs with (None: the base model); lora_int_id is 0 for the base
+        # model; lora_hash, the adapter's content hash, is set by the adapter registry before
+        # the request reaches the scheduler (it enters the prefix-cache block hashes)
+        self.lora = lora
+        self.lora_int_id = 0 if lora is None else lora.lora_int_id
+        self.lora_hash = ""
+        # admission passes that skipped it for want of an adapter slot (engine_core/lora/)
+        self.lora_skips = 0
         # the agent program this request is a turn of (continuum policy); None: no job
         self.job_id = job_id
         self.is_last_step = is_last_step

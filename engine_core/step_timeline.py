@@ -17,14 +17,23 @@ COLUMNS = [
     "wait_us",  # send -> rank 0's tokens back (includes everything the worker did)
     "update_us",
     "emit_us",  # RequestOutputs to the frontend
-    "worker_prep_us",  # apply diff + build inputs
-    "worker_forward_us",
-    "worker_sample_us",
+    "worker_prep_us",  # apply diff + build (and on CUDA stage) inputs
+    "worker_forward_us",  # launch -> the step's tokens ready (the device's time for it)
+    "worker_sample_us",  # the host's work on the tokens (into the batch, the output)
     "num_tokens",
     "frame_bytes",
     "end_s",  # perf_counter seconds when the step's outputs were sent; with async scheduling
     # steps overlap, so step wall time is the gap between consecutive end_s
+    # rank 0's host time between the launch before this step and this step's launch (its
+    # diff applied, inputs built, the step before's tokens handed on), not counting time
+    # blocked on the socket or the device: the part while the step before still ran on the
+    # device (worker overlap hides it) and the part while the device waited for the host
+    "worker_hidden_us",
+    "worker_exposed_us",
 ]
+# the worker's own timings (ModelRunnerOutput.timings_us), in their order
+WORKER_COLUMNS = ["worker_prep_us", "worker_forward_us", "worker_sample_us",
+                  "worker_hidden_us", "worker_exposed_us"]
 
 
 class StepTimeline:
@@ -54,7 +63,7 @@ class StepTimeline:
         out: ModelRunnerOutput,
         frame_bytes: int,
     ) -> None:
-        w = list(out.timings_us) + [0.0, 0.0, 0.0]
+        w = list(out.timings_us) + [0.0] * (len(WORKER_COLUMNS) - len(out.timings_us))
         self.rows.append(
             [
                 t0,
@@ -70,5 +79,7 @@ class StepTimeline:
                 float(so.total_num_scheduled_tokens),
                 float(frame_bytes),
                 t6,
+                w[3],
+                w[4],
             ]
         )

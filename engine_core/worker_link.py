@@ -16,7 +16,7 @@ from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
 from protocol.kv_connector import KVConnectorReport
 from protocol.liveness import process_running
-from protocol.messages import GrammarReady, HealthPing, WorkerError
+from protocol.messages import GrammarReady, HealthPing, HealthPong, LoRAReady, WorkerError
 from protocol.transport import Endpoints, make_socket, recv_frame
 
 PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
@@ -54,6 +54,10 @@ class WorkerLink:
         self.grammar_replies: list[GrammarReady] = []
         # the ranks' KV connector reports, likewise (engine_core/kv_connector/engine_side.py)
         self.kv_reports: list[KVConnectorReport] = []
+        # the ranks' answers to PrepareLoRA, settled the same way (engine_core.lora.registry)
+        self.lora_replies: list[LoRAReady] = []
+        # each rank's map sizes from its latest pong (workers/census.py), for the census
+        self.rank_census: dict[int, dict[str, int]] = {}
 
     def close(self) -> None:
         self.pub.close(0)
@@ -80,6 +84,10 @@ class WorkerLink:
             self.grammar_replies.append(msg)
         elif isinstance(msg, KVConnectorReport):
             self.kv_reports.append(msg)
+        elif isinstance(msg, LoRAReady):
+            self.lora_replies.append(msg)
+        elif isinstance(msg, HealthPong) and 0 <= msg.rank < self.world_size:
+            self.rank_census[msg.rank] = msg.census
         return msg
 
     def drain(self) -> None:

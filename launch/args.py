@@ -10,6 +10,7 @@ import argparse
 import re
 from typing import Any
 
+from launch.lora_modules import parse_lora_module, resolve_lora_options
 from protocol.config import EngineConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -99,6 +100,13 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
         help="schedule step k+1 while the workers run step k",
     )
     g.add_argument(
+        "--worker-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --async-scheduling: each rank prepares step k+1 while its device runs "
+        "step k (default: on with CUDA, off on CPU, where the ops are synchronous)",
+    )
+    g.add_argument(
         "--speculative-ngram",
         type=int,
         default=0,
@@ -129,6 +137,17 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
     )
     g.add_argument("--enable-checksum", action="store_true")
     g.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="refuse new requests (HTTP 503 with Retry-After) while N are admitted "
+                   "but not yet running (default: unbounded)")
+    g.add_argument("--structured-outputs-cache-mb", type=int,
+                   default=d.structured_outputs_cache_mb, metavar="MIB",
+                   help="compiled grammars kept for reuse, in the frontend and on each rank "
+                   "(least recently used unheld ones leave first)")
+    g.add_argument("--structured-outputs-compile-timeout", type=float,
+                   default=d.structured_outputs_compile_timeout, metavar="SECONDS",
+                   help="a constraint that takes longer to compile (queueing included) fails "
+                   "its request with a 400")
     g.add_argument("--continuum-ttl", type=float, default=None, metavar="SECONDS",
                    help="continuum policy: pin every finished turn for this long instead of "
                    "the TTL learned from tool-call gaps (an experiment knob)")
@@ -139,6 +158,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
                    help='disaggregated prefill/decode, vLLM\'s JSON: {"kv_role": "kv_both"} '
                    '(+ "kv_connector": auto|nixl|tcp|shm, "kv_load_failure_policy": '
                    'recompute|fail, "kv_ip", "kv_port", "kv_lease_s", ...; see README)')
+    add_lora_args(p)
 
 
 def _kv_transfer_config(text: str) -> Any:
@@ -150,7 +170,28 @@ def _kv_transfer_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("LoRA adapters (vLLM's flags)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories) over the base model, mixed in "
+                   "one batch")
+    g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help="adapters registered at start-up: name=path or "
+                   '\'{"name": ..., "path": ..., "base_model_name": ...}\'; they get ids 1, '
+                   "2, ... (an adapter the ranks refuse stops the start-up)")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters in one step (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank (slot width); default: the largest rank among "
+                   "--lora-modules, else 16")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters each rank keeps in host memory (>= --max-loras; default: "
+                   "--max-loras)")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig keyword arguments (minus model and TP size) found in parsed args."""
     fields = set(EngineConfig.__struct_fields__) - {"model", "tensor_parallel_size"}
-    return {k: v for k, v in vars(args).items() if k in fields}
+    return resolve_lora_options({k: v for k, v in vars(args).items() if k in fields})

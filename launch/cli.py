@@ -166,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         return pd_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    from launch.lora_modules import files_error
     from protocol.config import EngineConfig, config_error
 
-    err = config_error(EngineConfig(**engine_options(args)))
+    options = engine_options(args)
+    err = config_error(EngineConfig(**options)) or files_error(options.get("lora_modules", []))
     if err is not None:
         parser.error(err)
     _signals_to_exceptions()

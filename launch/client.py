@@ -4,7 +4,8 @@ A background thread owns the PULL socket and hands each engine message's Request
 sinks of their requests, one list per sink and message: a per-output hand-off cost a thread
 wake-up and a GIL switch per request per step. Callers own no socket. When the engine dies
 (EngineDead, or a process the supervisor saw exit) every unfinished request gets finish_reason
-"error" with the cause.
+"error" with the cause. Every request passes the bound on waiting requests (launch/admission.py)
+before it is sent.
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
 
+from engine_core.lora.registry import identity_error
 from engine_core.validation import validate_job, validate_priority, validate_sampling
+from launch.admission import QueueBound, Ticket
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.kv_connector import KVTransferParams
+from protocol.lora import LoRARequest
 from protocol.messages import (
     AbortRequests,
     AddJobRequest,
@@ -33,10 +38,13 @@ from protocol.messages import (
     HealthReport,
     HealthRequest,
     JobInfo,
+    LoadLoRA,
+    LoRAResult,
     ProfileRequest,
     RequestOutput,
     SamplingParams,
     ShutdownEngine,
+    UnloadLoRA,
 )
 from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env
 
@@ -62,7 +70,8 @@ class Tracked:
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024,
+                 max_queued_requests: int | None = None) -> None:
         secret = secret_from_env()
         self.ctx = zmq.Context.instance()
         self.push = make_socket(self.ctx, zmq.PUSH, endpoints.requests, bind=False, secret=secret)
@@ -76,6 +85,11 @@ class EngineClient:
         self.ready_event = threading.Event()
         self.dead_reason: str | None = None
         self.replies: queue.Queue[msgspec.Struct] = queue.Queue()
+        # callers waiting for a LoRAResult, by adapter name, oldest first (answers come in
+        # the order the engine got the asks)
+        self._lora_waiters: dict[str, list[queue.Queue[LoRAResult]]] = {}
+        self.admission = QueueBound(max_queued_requests)
+        self._health_nonces: set[int] = set()  # health calls waiting for their report
         self._ids = itertools.count()
         self._closing = False
         self._thread = threading.Thread(target=self._recv_loop, name="tandem-outputs", daemon=True)
@@ -83,9 +97,11 @@ class EngineClient:
 
     # ------------------------------------------------------------------ sending
 
-    def _send(self, msg: msgspec.Struct) -> None:
+    def _send(self, msg: msgspec.Struct, ticket: Ticket | None = None) -> None:
+        """Send one frame; with a ticket it is an AddRequest taking one of the ticket's slots."""
         with self.send_lock:  # the encoder's buffer and the socket are not thread-safe
             self.push.send(self.encoder.encode(msg))
+            self.admission.on_frame_sent(ticket)  # in send order, as the core reads them
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -101,9 +117,19 @@ class EngineClient:
         cache_salt: str | None = None,
         job: JobInfo | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        lora: LoRARequest | None = None,
+        ticket: Ticket | None = None,
     ) -> Tracked:
+        """Send one request. `ticket`: a slot held for it under the queue bound; without one,
+        a slot is taken here (QueueFullError when the queue is full)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if ticket is None:
+            with self.admission.reserve(1) as own:
+                return self.add_request(request_id, prompt_token_ids, params, sink, index,
+                                        priority, cache_salt, job,
+                                        kv_transfer_params=kv_transfer_params, lora=lora,
+                                        ticket=own)
         now = time.time()
         tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
         with self.tracked_lock:
@@ -113,6 +139,8 @@ class EngineClient:
         # the engine core's own checks, first here: a value msgpack cannot carry (an int past
         # 64 bits) would otherwise raise in the encoder instead of failing this request
         err = validate_sampling(params) or validate_priority(priority) or validate_job(job)
+        if err is None and lora is not None:
+            err = identity_error(lora)
         if err is not None:
             self._finish_locally(tr, err)
             return tr
@@ -122,9 +150,10 @@ class EngineClient:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
         fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
-                      priority=priority, cache_salt=cache_salt, arrival_time=now,
+                      priority=priority, cache_salt=cache_salt, arrival_time=now, lora=lora,
                       kv_transfer_params=kv_transfer_params)
-        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job))
+        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job),
+                   ticket)
         return tr
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -133,8 +162,12 @@ class EngineClient:
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         nonce = int(time.monotonic_ns() & 0x7FFFFFFF)
-        self._send(HealthRequest(nonce))
-        return self._reply(HealthReport, timeout_s)
+        self._health_nonces.add(nonce)
+        try:
+            self._send(HealthRequest(nonce))
+            return self._reply(HealthReport, timeout_s, lambda r: r.nonce == nonce)
+        finally:
+            self._health_nonces.discard(nonce)
 
     def profile(
         self,
@@ -148,7 +181,46 @@ class EngineClient:
             return None
         return self._reply(EngineStats, timeout_s)
 
-    def _reply(self, kind: type, timeout_s: float):  # type: ignore[no-untyped-def]
+    def load_lora(self, lora: LoRARequest, timeout_s: float = 600.0) -> LoRAResult:
+        """Register an adapter; the answer comes once every rank has read it."""
+        err = identity_error(lora)
+        if err is not None:
+            return LoRAResult(lora_name=lora.lora_name, error=err)
+        return self._lora_call(lora.lora_name, LoadLoRA(lora), timeout_s)
+
+    def unload_lora(self, lora_name: str, timeout_s: float = 30.0) -> LoRAResult:
+        """Forget an adapter (refused with ``in_use`` while requests use it)."""
+        return self._lora_call(lora_name, UnloadLoRA(lora_name), timeout_s)
+
+    def _lora_call(self, name: str, msg: msgspec.Struct, timeout_s: float) -> LoRAResult:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        box: queue.Queue[LoRAResult] = queue.Queue()
+        with self.tracked_lock:
+            self._lora_waiters.setdefault(name, []).append(box)
+        try:
+            self._send(msg)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    return box.get(timeout=0.1)
+                except queue.Empty:
+                    if self.dead_reason is not None:
+                        raise EngineDeadError(self.dead_reason) from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"no answer from the engine about LoRA adapter {name!r} in "
+                            f"{timeout_s} s") from None
+        finally:
+            with self.tracked_lock:
+                boxes = self._lora_waiters.get(name, [])
+                if box in boxes:
+                    boxes.remove(box)
+                if not boxes:
+                    self._lora_waiters.pop(name, None)
+
+    def _reply(self, kind: type, timeout_s: float,  # type: ignore[no-untyped-def]
+               match: Callable[[Any], bool] | None = None):
         deadline = time.monotonic() + timeout_s
         while True:
             if self.dead_reason is not None:
@@ -161,8 +233,13 @@ class EngineClient:
                         f"no {kind.__name__} from the engine in {timeout_s} s"
                     ) from None
                 continue
-            if isinstance(msg, kind):
+            if isinstance(msg, kind) and (match is None or match(msg)):
                 return msg
+            if isinstance(msg, HealthReport) and msg.nonce in self._health_nonces:
+                self.replies.put(msg)  # another thread's answer
+                time.sleep(0.001)
+            # else: a report whose caller timed out (stale: it must answer nobody) or a reply
+            # nobody waits for
 
     # ------------------------------------------------------------------ receiving
 
@@ -180,12 +257,18 @@ class EngineClient:
                 self.mark_dead(f"undecodable message from the engine core: {e}")
                 return
             if isinstance(msg, EngineOutputs):
+                self.admission.on_report(msg.frames_seen, msg.num_waiting)
                 self._dispatch(msg)
             elif isinstance(msg, EngineReady):
                 self.ready = msg
                 self.ready_event.set()
             elif isinstance(msg, EngineDead):
                 self.mark_dead(msg.reason)
+            elif isinstance(msg, LoRAResult):
+                with self.tracked_lock:
+                    boxes = self._lora_waiters.get(msg.lora_name)
+                    if boxes:
+                        boxes.pop(0).put(msg)
             else:
                 self.replies.put(msg)
 
@@ -202,6 +285,13 @@ class EngineClient:
                 by_sink.setdefault(tr.sink, []).append((tr, out, ts))
         for sink, delivery in by_sink.items():
             sink.put(delivery)
+
+    def census(self) -> dict[str, int]:
+        """This object's maps that grow with client input (launch/census.py)."""
+        with self.tracked_lock:
+            tracked = len(self.tracked)
+        return {"client.tracked": tracked, "client.replies": self.replies.qsize(),
+                **self.admission.census()}
 
     def _finish_locally(self, tr: Tracked, reason: str) -> None:
         with self.tracked_lock:

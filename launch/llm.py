@@ -10,8 +10,10 @@ from typing import Any
 
 import msgspec
 
+from launch.census import Census, assemble
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
 from launch.jobs import job_infos
+from launch.lora_modules import LoRAArg, per_prompt_loras, resolve_lora_options
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
     ProcessGroup,
@@ -24,6 +26,7 @@ from launch.processes import (
 )
 from protocol.config import EngineConfig, config_error
 from protocol.kv_connector import KVTransferConfig, KVTransferParams, with_engine_id
+from protocol.lora import LoRARequest
 from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
@@ -45,6 +48,7 @@ def _engine_config(model: str, tensor_parallel_size: int, options: dict[str, Any
                                                             KVTransferConfig)
         except msgspec.ValidationError as e:
             raise ValueError(f"kv_transfer_config: {e}") from None
+    options = resolve_lora_options(options)  # the default max_lora_rank, module ids
     config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
     err = config_error(config)
     if err is not None:
@@ -124,9 +128,12 @@ class LLM:
                     master_port=port,
                 )
             self.group.watch()
-            self.client = EngineClient(endpoints, self.config.max_frame_bytes)
+            self.client = EngineClient(endpoints, self.config.max_frame_bytes,
+                                       self.config.max_queued_requests)
             self.tokenizer = self._load_tokenizer() if load_tokenizer else None
             self._wait_ready(startup_timeout_s)
+            for lora in self.config.lora_modules:  # an adapter the ranks refuse stops start-up
+                self.add_lora(lora, startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -143,7 +150,8 @@ class LLM:
         if self._grammar_cache is None:
             from launch.structured import FrontendGrammars
 
-            self._grammar_cache = FrontendGrammars(self.tokenizer, self.info.vocab_size)
+            self._grammar_cache = FrontendGrammars(self.tokenizer, self.info.vocab_size,
+                                                   self.config)
         return self._grammar_cache
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -185,6 +193,22 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest, timeout_s: float = 600.0) -> None:
+        """Register an adapter now (requests may also name one it has never seen: the engine
+        registers it then); returns once every rank has read it. ValueError with the reason
+        when it is refused."""
+        result = self._client().load_lora(lora_request, timeout_s)
+        if result.error:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} refused: {result.error}")
+
+    def remove_lora(self, lora_name: str, timeout_s: float = 30.0) -> None:
+        """Unload an adapter by name; ValueError while requests use it or when unknown."""
+        result = self._client().unload_lora(lora_name, timeout_s)
+        if result.error:
+            raise ValueError(result.error)
+
     # ------------------------------------------------------------------ requests
 
     def _client(self) -> EngineClient:
@@ -217,8 +241,10 @@ class LLM:
         cache_salt: str | None,
         jobs: Sequence[JobInfo | None] | None = None,
         kv_params: Sequence[KVTransferParams | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         client = self._client()
+        loras = per_prompt_loras(lora_request, len(prompts), self.config.enable_lora)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -228,24 +254,36 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        if any(sp.structured_outputs is not None for sp in params):
-            params = self._grammars().prepare(params)  # ValueError for a bad constraint
-        results: list[RequestOutput] = []
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            ids = self.encode(p)
-            rid = client.new_request_id()
-            tr = client.add_request(
-                rid,
-                ids,
-                sp,
-                sink,
-                index=i,
-                priority=priority[i] if priority else 0,
-                cache_salt=cache_salt,
-                job=jobs[i] if jobs else None,
-                kv_transfer_params=kv_params[i] if kv_params else None,
-            )
-            results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
+        # every prompt's slot under max_queued_requests first: a full queue is a
+        # QueueFullError before anything is tokenized or compiled, and nothing is sent
+        with client.admission.reserve(len(prompts)) as ticket:
+            if any(sp.structured_outputs is not None for sp in params):
+                try:
+                    params = self._grammars().prepare(params)  # ValueError for a bad one
+                except ValueError as e:
+                    # a failed compile is cached and its exception raised for every call
+                    # with that constraint, each raise adding frames to its traceback: start
+                    # it afresh, so it holds one caller's frames, not every caller's
+                    e.__traceback__ = None
+                    raise
+            results: list[RequestOutput] = []
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                ids = self.encode(p)
+                rid = client.new_request_id()
+                tr = client.add_request(
+                    rid,
+                    ids,
+                    sp,
+                    sink,
+                    index=i,
+                    priority=priority[i] if priority else 0,
+                    cache_salt=cache_salt,
+                    job=jobs[i] if jobs else None,
+                    lora=loras[i],
+                    kv_transfer_params=kv_params[i] if kv_params else None,
+                    ticket=ticket,
+                )
+                results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
         return results
 
     @staticmethod
@@ -279,13 +317,16 @@ class LLM:
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
         kv_transfer_params: KVTransferParams | Sequence[KVTransferParams | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         job_id / is_last_step / tool_name (one value, or one per prompt): the agent program
         each prompt is a turn of, for --scheduling-policy continuum (see README).
         kv_transfer_params (one, or one per prompt): disaggregated prefill / decode, as in
-        vLLM; a prefill's answer is in each output's ``kv_transfer_params``."""
+        vLLM; a prefill's answer is in each output's ``kv_transfer_params``.
+        lora_request: a LoRARequest(name, int_id, path) for every prompt, or one (or None,
+        the base model) per prompt; needs enable_lora=True."""
         results: list[RequestOutput] = []
         bar = None
         n = len(_as_list(prompts))
@@ -294,7 +335,8 @@ class LLM:
               else kv_transfer_params)
         try:
             for results, _, out in self._events(
-                prompts, sampling_params, priority, cache_salt, timeout_s, jobs, kv
+                prompts, sampling_params, priority, cache_salt, timeout_s, jobs, kv,
+                lora_request
             ):
                 if bar is None and use_tqdm and len(results) > 1:
                     bar = _progress(len(results))
@@ -319,6 +361,7 @@ class LLM:
         job_id: str | Sequence[str | None] | None = None,
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> Iterator[StreamEvent]:
         """Yield new tokens (and text deltas) of every prompt as they are generated.
 
@@ -327,7 +370,7 @@ class LLM:
         detoks: list[Any] | None = None
         jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
         for results, tr, out in self._events(
-            prompts, sampling_params, priority, cache_salt, timeout_s, jobs
+            prompts, sampling_params, priority, cache_salt, timeout_s, jobs, lora_request
         ):
             if detoks is None:
                 detoks = self._detokenizers(results)
@@ -353,6 +396,7 @@ class LLM:
         timeout_s: float | None,
         jobs: list[JobInfo | None] | None = None,
         kv_params: Sequence[KVTransferParams | None] | None = None,
+        lora_request: LoRAArg = None,
     ) -> Iterator[tuple[list[RequestOutput], Tracked, WireOutput]]:
         """The one receive loop behind generate() and generate_stream().
 
@@ -361,7 +405,7 @@ class LLM:
         """
         sink: Sink = queue.Queue()
         results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt,
-                               jobs, kv_params)
+                               jobs, kv_params, lora_request)
         pending = len(results)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -388,6 +432,13 @@ class LLM:
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         """Liveness of every rank (seconds since each was last heard) and forward progress."""
         return self._client().health(timeout_s)
+
+    def census(self, timeout_s: float = 5.0) -> Census:
+        """The size of every map that grows with client input, per process ("frontend",
+        "engine_core", "rank0", ...); launch/census.py says which are freed with their request
+        (all 0 when idle) and which are bounded caches."""
+        client = self._client()
+        return assemble(client.census(), client.health(timeout_s))
 
     def get_stats(self, timeout_s: float = 5.0) -> dict[str, float]:
         """The scheduler's counters: prefix-cache hits, preemptions, steps, and with

@@ -56,6 +56,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_gpu_blocks_override: int | None = None  # force a KV capacity (tests of KV pressure)
     # plan step k+1 while the workers run step k (the in-flight token is a placeholder)
     async_scheduling: bool = False
+    # with async scheduling, a rank receives, applies and stages step k+1 while step k runs
+    # on its device, and step k's sampled tokens feed step k+1's input ids on the device
+    # (workers/overlap.py); None = on where it pays: async scheduling on a CUDA device
+    worker_overlap: bool | None = None
     # n-gram (prompt-lookup) speculative decoding: match the last n tokens, n from
     # speculative_ngram down to speculative_ngram_min, and propose the tokens that followed
     # the latest earlier match; 0 = off
@@ -82,11 +86,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduler_trace: str | None = None
     enable_checksum: bool = False  # every rank returns a checksum of its sampled tokens
     worker_timeout_s: float = 30.0  # a rank silent for this long is declared hung
+    # requests admitted but not yet running (waiting in the core, held for a grammar, or on
+    # their way there) beyond which the frontend refuses new ones at once: HTTP 503 with
+    # Retry-After, QueueFullError in the Python API (launch/admission.py); None = unbounded
+    max_queued_requests: int | None = None
     max_frame_bytes: int = 64 * 1024 * 1024
     # where the vocabulary comes from when the model has none of its own (dummy:* presets): a
     # tokenizer directory or .gguf file. The frontend tokenizes with it and every worker builds
     # its grammar engine's token table from it; None = the model's own tokenizer.
     tokenizer: str | None = None
+    # compiled grammars (structured outputs) kept for reuse, in MiB, in the frontend and on
+    # each rank (vLLM bounds the same cache); a grammar a live request holds is never evicted
+    structured_outputs_cache_mb: int = 256
+    # seconds a constraint may take to compile (queueing included) before its request fails
+    structured_outputs_compile_timeout: float = 10.0
     # continuum policy: a fixed pin TTL in seconds (None = learned from observed tool-call
     # gaps), and the cap on any TTL
     continuum_ttl: float | None = None
@@ -102,6 +115,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     lora_modules: list[LoRARequest] = []
     # disaggregated prefill / decode (protocol/kv_connector.py, --kv-transfer-config); None = off
     kv_transfer_config: KVTransferConfig | None = None
+
+
+def worker_overlap_on(config: EngineConfig, device_type: str) -> bool:
+    """Whether a rank on a device of this type overlaps its host work with the device's."""
+    if config.worker_overlap is not None:
+        return config.worker_overlap and config.async_scheduling
+    return config.async_scheduling and device_type == "cuda"
 
 
 def config_error(config: EngineConfig) -> str | None:
@@ -135,12 +155,23 @@ def config_error(config: EngineConfig) -> str | None:
     if config.speculative_ngram and config.async_scheduling:
         # The proposer needs the newest token, which async scheduling has not seen yet.
         return "async_scheduling and speculative decoding cannot be combined yet"
+    if config.worker_overlap and not config.async_scheduling:
+        # without it the core waits for step k's tokens before it sends step k+1
+        return "worker_overlap needs async_scheduling (--async-scheduling)"
+    if config.structured_outputs_cache_mb < 0:
+        return (f"structured_outputs_cache_mb must be >= 0, "
+                f"got {config.structured_outputs_cache_mb}")
+    if not config.structured_outputs_compile_timeout > 0:
+        return (f"structured_outputs_compile_timeout must be > 0 seconds, "
+                f"got {config.structured_outputs_compile_timeout}")
     if not config.continuum_max_ttl > 0 or not (config.continuum_ttl or 0.0) >= 0:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
     if config.kv_transfer_config is not None:
         err = kv_transfer_config_error(config.kv_transfer_config)
         if err is not None:
             return err
+    if config.max_queued_requests is not None and config.max_queued_requests < 1:
+        return f"max_queued_requests must be >= 1, got {config.max_queued_requests}"
     return _lora_error(config)
 
 

@@ -42,7 +42,8 @@ from protocol.structured import StructuredOutputsParams
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
 # 3: grammars compiled before admission (PrepareGrammar / GrammarReady)
 # 4: LoRA adapters (protocol/lora.py: LoRARequest on AddRequest, LoadLoRA / UnloadLoRA /
-#    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff)
+#    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff); the ranks'
+#    grammar caches bounded by the engine core (grammar ids, DropGrammars, sizes)
 # 5: disaggregated prefill / decode (protocol/kv_connector.py: kv_transfer_params on AddRequest
 #    and RequestOutput, the connector's ops in the step diff, KVConnectorReport, the ranks'
 #    block-server ports in the hello)
@@ -162,6 +163,12 @@ class RequestOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_
 class EngineOutputs(msgspec.Struct, array_like=True, tag=11):
     outputs: list[RequestOutput]
     timestamp: float  # engine core's time.time() when the step's tokens were known
+    # the core's queue as of this message, for the frontend's --max-queued-requests bound
+    # (launch/admission.py): frames read from the frontend so far, and requests waiting
+    # (in the scheduler's waiting queue or held for their grammar). Trailing fields with
+    # defaults: an older peer ignores or defaults them.
+    frames_seen: int = 0
+    num_waiting: int = 0
 
 
 class HealthReport(msgspec.Struct, array_like=True, tag=12, kw_only=True):
@@ -174,6 +181,9 @@ class HealthReport(msgspec.Struct, array_like=True, tag=12, kw_only=True):
     kv_usage: float
     # the scheduler's counters (prefix cache, preemptions, speculative acceptance, ...)
     stats: dict[str, float] = {}
+    # sizes of the per-request maps and bounded caches of the core and of every rank
+    # ("rank0.input_batch.states", ...): engine_core/census.py, workers/census.py
+    census: dict[str, int] = {}
 
 
 class EngineDead(msgspec.Struct, array_like=True, tag=13):
@@ -305,10 +315,25 @@ class PrepareGrammar(msgspec.Struct, array_like=True, tag=25):
 
     Sent once per constrained request when it arrives; ``ticket`` names it until every rank
     answered (the request has no handle yet). Unconstrained requests never cause one.
+    ``grammar_id`` is the engine core's name for the constraint's cache entry on every rank
+    (one id per key while the entry lives); DropGrammars names entries by it.
     """
 
     ticket: int
     spec: StructuredOutputsParams
+    grammar_id: int
+
+
+class DropGrammars(msgspec.Struct, array_like=True, tag=28):
+    """Forget these compiled grammars (PrepareGrammar.grammar_id): the engine core's eviction.
+
+    The core alone decides which grammars each rank keeps (its byte budget, least recently
+    used first, never one a live request holds) and every rank applies the decision at the
+    same point of the broadcast stream, so all ranks hold the same grammars. A compile still
+    queued is cancelled; one already running finishes and its result is not kept.
+    """
+
+    grammar_ids: list[int]
 
 
 class PrepareLoRA(msgspec.Struct, array_like=True, tag=26):
@@ -327,7 +352,7 @@ class DropLoRA(msgspec.Struct, array_like=True, tag=27):
 
 WorkerBroadcast = (
     SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache | PrepareGrammar
-    | PrepareLoRA | DropLoRA
+    | DropGrammars | PrepareLoRA | DropLoRA
 )
 
 
@@ -371,8 +396,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
     sampled_token_ids: bytes = b""  # packed int32, flattened
     logprobs: bytes = b""  # packed float32 (one per sampled token) when any request asked
     checksum: int | None = None  # hash of this rank's sampled tokens
-    # worker-side timings of this step in microseconds (prepare, forward, sample), for the
-    # host-overhead breakdown; empty when not collected
+    # worker-side timings of this step in microseconds, for the host-overhead breakdown:
+    # prepare (apply the diff, build and stage the inputs), forward (launch to tokens ready
+    # on the device), sample (the host's work on the tokens), then the host time before the
+    # launch hidden behind the step before on the device and not hidden
+    # (engine_core/step_timeline.py); empty when not collected
     timings_us: list[float] = []
     # disk -> host reads of the KV offload tiers settled this step (agreed by every rank)
     kv_load: KVLoadResult | None = None
@@ -395,6 +423,8 @@ class HealthPong(msgspec.Struct, array_like=True, tag=33, kw_only=True):
     rank: int
     nonce: int
     last_step_id: int
+    # this rank's map sizes (workers/census.py), so the core's census covers every process
+    census: dict[str, int] = {}
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
@@ -405,11 +435,17 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=34, kw_only=True):
 
 
 class GrammarReady(msgspec.Struct, array_like=True, tag=35, kw_only=True):
-    """A rank's answer to PrepareGrammar: compiled (error empty), or why it failed."""
+    """A rank's answer to PrepareGrammar: compiled (error empty), or why it failed.
+
+    ``size_bytes``: what the compiled grammar costs this rank's cache (the core's budget counts
+    it); ``cache_bytes``: this rank's whole grammar cache when it answered (a health figure).
+    """
 
     rank: int
     ticket: int
     error: str = ""
+    size_bytes: int = 0
+    cache_bytes: int = 0
 
 
 class LoRAReady(msgspec.Struct, array_like=True, tag=36, kw_only=True):

@@ -24,6 +24,8 @@ from launch.args import add_engine_args, engine_options  # noqa: E402
 # Phases of one engine step whose sum is the step's wall time (the core's own clock).
 STEP_PHASES = ["schedule_us", "encode_us", "broadcast_us", "wait_us", "update_us", "emit_us"]
 WORKER_PHASES = ["worker_prep_us", "worker_forward_us", "worker_sample_us"]
+# rank 0's host time before each launch, hidden behind the device or not (worker overlap)
+WORKER_HOST = ["worker_hidden_us", "worker_exposed_us"]
 # a step that starts this long after the previous one ended found the engine idle
 IDLE_GAP_S = 1e-3
 
@@ -179,14 +181,15 @@ def breakdown_summary(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
     scheduling, where a step is planned while the one before it runs. The first step, and a
     step that started after the engine sat idle, count from their own start instead.
     exposed host time = wall - worker forward; non_forward_fraction = 1 - sum(forward) /
-    sum(wall).
+    sum(wall); worker_hidden_fraction = the share of rank 0's host time between launches that
+    ran while the device was still busy with the step before (worker overlap).
     """
     col = {name: i for i, name in enumerate(COLUMNS)}
     out: dict[str, Any] = {"steps": len(rows)}
     if not rows:
         out["non_forward_fraction"] = math.nan
         return out
-    for name in STEP_PHASES + WORKER_PHASES + ["num_tokens", "frame_bytes"]:
+    for name in STEP_PHASES + WORKER_PHASES + WORKER_HOST + ["num_tokens", "frame_bytes"]:
         key = name[:-3] + "_median_us" if name.endswith("_us") else name + "_median"
         out[key] = percentile([r[col[name]] for r in rows], 50)
     walls = []
@@ -202,6 +205,9 @@ def breakdown_summary(rows: Sequence[Sequence[float]]) -> dict[str, Any]:
     out["step_wall_median_us"] = percentile(walls, 50)
     out["exposed_host_median_us"] = percentile([w - f for w, f in zip(walls, fwd, strict=True)], 50)
     out["non_forward_fraction"] = 1.0 - sum(fwd) / sum(walls) if sum(walls) > 0 else math.nan
+    hidden = sum(r[col["worker_hidden_us"]] for r in rows)
+    host = hidden + sum(r[col["worker_exposed_us"]] for r in rows)
+    out["worker_hidden_fraction"] = hidden / host if host > 0 else math.nan
     return out
 
 
@@ -217,6 +223,8 @@ def scheduler_summary(
 
     out: dict[str, Any] = {
         "async_scheduling": bool(getattr(args, "async_scheduling", False)),
+        # as asked: null = the default (on with async scheduling on CUDA)
+        "worker_overlap": getattr(args, "worker_overlap", None),
         "num_preemptions": int(delta("num_preemptions")),
     }
     if getattr(args, "speculative_ngram", 0):
@@ -240,6 +248,8 @@ def print_breakdown(summary: dict[str, Any]) -> None:
         if k.endswith("_median_us"):
             print(f"  {k.removesuffix('_median_us'):<16} {v:10.1f}")
     print(f"  non-forward share of step time: {summary['non_forward_fraction']:.3f}")
+    print(f"  worker host time hidden behind the device: "
+          f"{summary['worker_hidden_fraction']:.3f}")
 
 
 # ---------------------------------------------------------------------------- output

@@ -41,6 +41,7 @@ from workers.triton_ops import next_pow2  # noqa: E402
 from workers.triton_ops.attention_config import attention_config  # noqa: E402
 from workers.triton_ops.fused_moe import compile_variants  # noqa: E402
 from workers.triton_ops.kv_cache import _rotary_kv_kernel  # noqa: E402
+from workers.triton_ops.lora import compile_variants as lora_variants  # noqa: E402
 from workers.triton_ops.norm_act import _rms_norm_kernel, _silu_and_mul_kernel  # noqa: E402
 from workers.triton_ops.paged_attention import (  # noqa: E402
     _merge_segments_kernel,
@@ -171,12 +172,24 @@ def _fused_moe(dt: str, top_k: int) -> list[Case]:
     return out
 
 
+def _lora(dt: str) -> list[Case]:
+    """Every (kernel, tile config) of the batched LoRA; its shapes (hidden size, rank, number
+    of slots) are runtime arguments, so one set covers every model."""
+    out = []
+    for name, fn, sig, const, options in lora_variants((_TY[dt],)):
+        kernel, size = name.split()
+        tiles = f"{size} M{const['BLOCK_M']} N{const['BLOCK_N']} K{const['BLOCK_K']}"
+        out.append(Case(kernel, tiles, fn, sig, const, dt, gemm_dot=True,
+                        per_arch={a: (const, options) for a in (90, 80)}))
+    return out
+
+
 def cases(quick: bool) -> list[Case]:
     if quick:
         return [_attention("llama-8b", "bfloat16", True), _attention("llama-8b", "bfloat16", False),
                 _merge("llama-8b", "bfloat16"), _rotary("llama-8b", "bfloat16"),
                 _norm("llama-8b", "bfloat16"), _silu("llama-8b", "bfloat16"),
-                _fused_moe("bfloat16", 8)[0]]
+                _fused_moe("bfloat16", 8)[0], *_lora("bfloat16")[::2]]
     out = []
     for preset in sorted(REAL_SHAPE_PRESETS):
         for dt in ("bfloat16", "float16"):
@@ -187,6 +200,8 @@ def cases(quick: bool) -> list[Case]:
     for dt in ("bfloat16", "float16"):
         for top_k in top_ks:
             out += _fused_moe(dt, top_k)
+    for dt in ("bfloat16", "float16"):
+        out += _lora(dt)
     return out
 
 

@@ -29,6 +29,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lora_wire import wire as lora_wire  # noqa: E402
 from pd_wire import pd_wire  # noqa: E402
 from structured_wire import bitmask_bytes, wire  # noqa: E402
 
@@ -315,6 +316,8 @@ def main() -> None:
     so_wire = wire(STRUCTURED_VOCAB, STRUCTURED_BATCH)
     # P/D: the KV connector's operations in the step diffs (block ids, never KV bytes)
     pd = pd_wire(num_requests=4 if a.quick else 16)
+    # LoRA adapters: per adapter, per load, per request, and the decode step with adapters
+    lw = lora_wire()
 
     print(f"{'message':<18} {'field':<26} {'median B':>9} {'p99 B':>9}   (mixed workload)")
     for kind, field, med, p99 in per_field_table(mixed):
@@ -342,6 +345,15 @@ def main() -> None:
          round(pd["pd_decode_diff_bytes_per_request"], 1), ""),
         ("P/D rank reports bytes / request (TP 2)",
          round(pd["pd_report_bytes_per_request"], 1), ""),
+        ("LoRA PrepareLoRA per adapter (to every rank)", lw["prepare_lora_bytes"], ""),
+        ("LoRA LoRAReady per adapter and rank", lw["lora_ready_bytes"], ""),
+        ("LoRA LoRASlotOp per load", lw["slot_op_bytes"], ""),
+        ("LoRA base request extra bytes", lw["base_request_extra_bytes"], "0"),
+        ("LoRA adapter request extra bytes (pair)", lw["adapter_request_extra_bytes"], ""),
+        (f"LoRA decode step, batch {int(lw['decode_batch'])} base",
+         lw["decode_step_bytes_base"], ""),
+        (f"LoRA decode step, {int(lw['decode_num_adapters'])} adapters",
+         lw["decode_step_bytes_adapters"], "= base"),
     ]
     for name, value, target in figures:
         print(f"{name:<45} {value!s:>9} {target:>9}")
@@ -371,6 +383,7 @@ def main() -> None:
             "structured_prepare_grammar_bytes": so_wire["prepare_grammar_bytes"],
             "structured_grammar_ready_bytes": so_wire["grammar_ready_bytes"],
             **pd,
+            **{f"lora_{k}": v for k, v in lw.items()},
             "broadcast_us": {
                 str(n): {"p50": round(pct(v, 50), 1), "p99": round(pct(v, 99), 1)}
                 for n, v in bcast.items()

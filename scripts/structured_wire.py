@@ -59,6 +59,7 @@ def wire(vocab: int, batch: int) -> dict[str, float]:
         "new_request_bytes_constrained": float(
             encoded(SchedulerOutput(step_id=1, new_reqs=[new_request(spec)]))),
         # once per constrained request before admission: the core's ask, one rank's answer
-        "prepare_grammar_bytes": float(encoded(PrepareGrammar(1, spec))),
-        "grammar_ready_bytes": float(encoded(GrammarReady(rank=0, ticket=1))),
+        "prepare_grammar_bytes": float(encoded(PrepareGrammar(1, spec, 1))),
+        "grammar_ready_bytes": float(encoded(
+            GrammarReady(rank=0, ticket=1, size_bytes=70_000, cache_bytes=2**27))),
     }

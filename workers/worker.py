@@ -1,5 +1,8 @@
 """The worker process: receive diff -> apply -> forward -> sample -> (rank 0) send tokens.
 
+With worker overlap (workers/overlap.py) the next diff is received and applied while the
+device still runs the step before, whose tokens are sent just before the next launch.
+
 Every rank runs this same loop. Started by the launcher, or by the real `torchrun`
 (`torchrun --nproc-per-node 2 -m workers`): it reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT, plus TANDEM_CONFIG (engine options as JSON) and TANDEM_ENDPOINTS (where the engine core
@@ -16,19 +19,23 @@ import sys
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from protocol.codec import Encoder, ProtocolError, broadcast_decoder
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, worker_overlap_on
 from protocol.error_file import write_error_file
 from protocol.messages import (
+    DropGrammars,
+    DropLoRA,
     GrammarReady,
     HealthPing,
     HealthPong,
+    LoRAReady,
     PrepareGrammar,
+    PrepareLoRA,
     ProfileControl,
     ResetPrefixCache,
     SchedulerOutput,
@@ -38,6 +45,11 @@ from protocol.messages import (
     WorkerReady,
 )
 from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_env, tcp_endpoints
+from workers.overlap import DeviceWatch, HostClock
+
+if TYPE_CHECKING:
+    from workers.runner.step_flight import InFlightStep
+from workers.census import worker_census
 
 logger = logging.getLogger("tandem.worker")
 
@@ -110,8 +122,13 @@ class Worker:
         self.profiler = None
         self.fault = parse_fault(os.environ.get("TANDEM_FAULT_INJECT"))
         self.core_gone = False  # then nothing queued can be delivered: don't linger on exit
-        # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them)
-        self.grammar_tickets: dict[int, Future[Any]] = {}
+        # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them):
+        # ticket -> (compile, cache key, grammar id)
+        self.grammar_tickets: dict[int, tuple[Future[Any], tuple[str, str], int]] = {}
+        # worker overlap (workers/overlap.py): the launched step whose tokens are not sent yet
+        self.overlap = worker_overlap_on(config, self.runner.device.type)
+        self.in_flight: InFlightStep | None = None
+        self.clock = HostClock()
 
     def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
         self.ctx = zmq.Context.instance()
@@ -119,6 +136,7 @@ class Worker:
         self.push = make_socket(
             self.ctx, zmq.PUSH, endpoints.results, bind=False, secret=secret, linger_ms=1000
         )
+        self.watch = DeviceWatch(self.sub, self.runner.device)
         cfg = self.runner.model_config
         self.push.send(
             self.encoder.encode(
@@ -153,7 +171,17 @@ class Worker:
         parent = os.getppid()
         last_heard = time.monotonic()
         while True:
-            frame = recv_frame(self.sub, GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS)
+            timeout = GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS
+            t0 = time.perf_counter()
+            if self.in_flight is not None:
+                # the next diff while the device runs the step in flight, else finish that
+                frame, device_done = self.watch.wait(timeout)
+            else:
+                frame, device_done = recv_frame(self.sub, timeout), False
+            self.clock.blocked(t0, time.perf_counter())
+            if device_done:
+                self.finish_in_flight()
+                continue
             if self.grammar_tickets:
                 self.answer_grammars()
             now = time.monotonic()
@@ -184,9 +212,9 @@ class Worker:
                 if msg.nonce < 0:  # start-up sync ping: say this SUB socket is live
                     self.send(WorkerReady(rank=self.rank, nonce=msg.nonce))
                 else:
-                    self.send(
-                        HealthPong(rank=self.rank, nonce=msg.nonce, last_step_id=self.last_step_id)
-                    )
+                    self.send(HealthPong(rank=self.rank, nonce=msg.nonce,
+                                         last_step_id=self.last_step_id,
+                                         census=worker_census(self)))
             elif isinstance(msg, Shutdown):
                 return 0
             elif isinstance(msg, ProfileControl):
@@ -194,16 +222,45 @@ class Worker:
             elif isinstance(msg, ResetPrefixCache):
                 pass  # KV contents need no reset: the scheduler only forgets hashes
             elif isinstance(msg, PrepareGrammar):
-                self.grammar_tickets[msg.ticket] = self.runner.prepare_grammar(msg.spec)
+                fut = self.runner.prepare_grammar(msg.spec, msg.grammar_id)
+                self.grammar_tickets[msg.ticket] = (fut, msg.spec.key(), msg.grammar_id)
                 self.answer_grammars()  # a cached grammar is ready at once
+            elif isinstance(msg, DropGrammars):
+                self.drop_grammars(msg.grammar_ids)
+            elif isinstance(msg, PrepareLoRA):
+                self.prepare_lora(msg)
+            elif isinstance(msg, DropLoRA):
+                self.runner.drop_lora(msg.lora_int_id)
 
     def answer_grammars(self) -> None:
-        """Tell the core which of its grammars this rank has compiled (or failed to)."""
-        done = [t for t, f in self.grammar_tickets.items() if f.done()]
+        """Tell the core which of its grammars this rank has compiled (or failed to), with
+        what each costs this rank's cache: the core's budget counts it."""
+        from workers.sample.grammar_cache import grammar_bytes  # structured outputs only
+
+        done = [t for t, (f, _, _) in self.grammar_tickets.items() if f.done()]
         for ticket in done:
-            exc = self.grammar_tickets.pop(ticket).exception()
+            fut, key, _ = self.grammar_tickets.pop(ticket)
+            if fut.cancelled():  # the pool closed under it: the rank is going down
+                continue
+            exc = fut.exception()
             error = "" if exc is None else (str(exc) or type(exc).__name__)
-            self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error))
+            size = 0 if exc is not None else grammar_bytes(key, fut.result())
+            self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error, size_bytes=size,
+                                   cache_bytes=self.runner.grammar_cache_bytes()))
+
+    def drop_grammars(self, grammar_ids: list[int]) -> None:
+        """The core's eviction, at this point of the broadcast stream on every rank. A ticket
+        of a dropped grammar was settled by the core already (timed out, aborted): no answer."""
+        self.runner.drop_grammars(grammar_ids)
+        gone = set(grammar_ids)
+        for ticket in [t for t, (_, _, g) in self.grammar_tickets.items() if g in gone]:
+            del self.grammar_tickets[ticket]
+
+    def prepare_lora(self, msg: PrepareLoRA) -> None:
+        """Read, check and slice the adapter now (a rare event: the steps queued behind it
+        wait for the read) and answer; a refused adapter is an answer, never a crash."""
+        error = self.runner.prepare_lora(msg.lora, msg.content_hash)
+        self.send(LoRAReady(rank=self.rank, lora_int_id=msg.lora.lora_int_id, error=error))
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:
@@ -218,10 +275,34 @@ class Worker:
             signal.pause()
 
     def execute(self, so: SchedulerOutput) -> None:
+        """Prepare the step (behind the step in flight, if any), finish the step in flight,
+        launch this one; keep it in flight with overlap on, else finish it now."""
         self._maybe_inject_fault(so.step_id)
-        out = self.runner.execute(so)
-        self.last_step_id = so.step_id
-        if out is not None and (self.rank == 0 or self.config.enable_checksum):
+        step = self.runner.prepare(so)
+        if self.in_flight is not None:
+            self.finish_in_flight()
+        flight = self.runner.launch(step)
+        flight.hidden_us, flight.exposed_us = self.clock.launched(
+            flight.transfer.t_launch, time.perf_counter())
+        self.in_flight = flight
+        if self.overlap and flight.overlappable:
+            self.watch.arm(flight.transfer)
+        else:
+            self.finish_in_flight()
+
+    def finish_in_flight(self) -> None:
+        """Wait for the step in flight's tokens and send them (rank 0; every rank with
+        checksums)."""
+        flight = self.in_flight
+        assert flight is not None
+        self.in_flight = None
+        out = self.runner.finish(flight)
+        self.watch.disarm()
+        t = flight.transfer
+        self.clock.blocked(*t.waited)
+        self.clock.device_done(t.t_ready)
+        self.last_step_id = flight.so.step_id
+        if self.rank == 0 or self.config.enable_checksum:
             self.push.send(self.encoder.encode(out))
 
     def fail(self, message: str, tb: str) -> None:
@@ -279,6 +360,8 @@ def main() -> int:
             worker.fail(f"rank {rank}: {type(e).__name__}: {e}", tb)
         code = 1
     finally:
+        if worker is not None and hasattr(worker, "watch"):
+            worker.watch.close()
         if worker is not None:
             try:  # finish the KV offload tiers' copies and disk writes, stop their threads
                 worker.runner.close()

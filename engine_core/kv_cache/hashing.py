@@ -2,8 +2,12 @@
 
 Chaining makes a block's hash name its whole prefix, so one dict lookup per block finds the
 longest cached prefix. ``cache_salt`` goes into the first block's extra keys, so requests with
-different salts never share anything. "sha256" is collision safe (the default: a collision
-would silently serve another prompt's KV); "fast" uses Python's 64-bit tuple hash.
+different salts never share anything. A LoRA adapter's identity (its name and content hash)
+joins the salt there, so a base-model prompt never hits an adapter's blocks, two adapters never
+share blocks, and a name reloaded with new weights never finds the old weights' KV; a
+base-model request's keys are the same with and without LoRA enabled. "sha256" is collision
+safe (the default: a collision would silently serve another prompt's KV); "fast" uses Python's
+64-bit tuple hash.
 """
 
 from __future__ import annotations
@@ -40,14 +44,31 @@ def get_hash_fn(name: str) -> HashFn:
         raise ValueError(f"unknown prefix_hash {name!r} (expected 'sha256' or 'fast')") from None
 
 
+def first_block_extra(
+    cache_salt: str | None, lora_name: str | None = None, lora_hash: str = ""
+) -> tuple[str | None, ...] | None:
+    """The extra keys of a request's first block: None for a plain base-model request,
+    (salt,) with a cache salt, (salt, adapter name, adapter content hash) with an adapter.
+    The three shapes differ in length, so no two of them can be equal."""
+    if lora_name is not None:
+        return (cache_salt, lora_name, lora_hash)
+    return None if cache_salt is None else (cache_salt,)
+
+
 def hash_request_tokens(
-    hash_fn: HashFn, block_size: int, tokens: Sequence[int], cache_salt: str | None = None
+    hash_fn: HashFn,
+    block_size: int,
+    tokens: Sequence[int],
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    lora_hash: str = "",
 ) -> list[BlockHash]:
     """Hashes of every full block of ``tokens`` (a reference implementation for tests)."""
     out: list[BlockHash] = []
     parent = None
+    first = first_block_extra(cache_salt, lora_name, lora_hash)
     for i in range(len(tokens) // block_size):
-        extra = (cache_salt,) if (i == 0 and cache_salt is not None) else None
+        extra = first if i == 0 else None
         parent = hash_fn(parent, tokens[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
@@ -72,7 +93,14 @@ class BlockHasher:
         parent = hashes[-1] if hashes else None
         hash_fn = self.hash_fn
         while (i + 1) * bs <= request.num_tokens:
-            extra = (request.cache_salt,) if (i == 0 and request.cache_salt is not None) else None
+            if i == 0:
+                lora = request.lora
+                extra = first_block_extra(
+                    request.cache_salt, None if lora is None else lora.lora_name,
+                    request.lora_hash,
+                )
+            else:
+                extra = None
             parent = hash_fn(parent, tokens[i * bs : (i + 1) * bs], extra)
             hashes.append(parent)
             i += 1

@@ -1,6 +1,11 @@
 """Admission: waiting requests join the running batch while budget, sequence slots and KV
 blocks allow, in the waiting queue's order (FCFS, priority or continuum's program order).
 
+With LoRA, a request whose adapter cannot get a device slot this step is skipped and the scan
+goes on (engine_core/lora/slots.py: the per-step adapter budget and its aging guard); the
+skipped requests go back to the front of the queue in their order. Every other reason to stop
+(budget, KV blocks, the whole-fit gate) stops the scan, as without LoRA.
+
 A mixin of Scheduler (scheduler.py): the attributes below are the scheduler's own, declared
 here so this half reads (and type-checks) on its own.
 """
@@ -19,6 +24,7 @@ if TYPE_CHECKING:
     from engine_core.kv_cache.manager import KVCacheManager
     from engine_core.kv_connector.scheduler_side import KVConnectorScheduler
     from engine_core.kv_offload.scheduling import OffloadScheduling
+    from engine_core.lora.slots import LoRASlots
     from engine_core.sched.continuum.policy import Continuum
     from engine_core.sched.request_queue import WaitingQueue
 
@@ -41,6 +47,7 @@ class Admission:
     kv_offload: OffloadScheduling | None
     kv_connector: KVConnectorScheduler | None
     continuum: Continuum | None
+    lora: LoRASlots | None
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
@@ -75,8 +82,15 @@ class Admission:
         threshold = self.long_prefill_token_threshold
         chunked = self.enable_chunked_prefill
         gate = self.reserve_full_isl
+        lora = self.lora
+        skipped: list[Request] = []
+        if lora is not None:
+            lora.begin_pass()
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek_request()
+            if lora is not None and req.lora is not None and lora.skip(req):
+                skipped.append(waiting.pop_request())
+                continue
             if req.num_external_computed_tokens:  # KV a prefill engine sent: in its blocks
                 hits: KVCacheBlocks = []
                 num_hit = req.num_external_computed_tokens
@@ -140,6 +154,8 @@ class Admission:
             if gate:
                 self._full_blocks += kvm.max_blocks(full_len(req))
             waiting.pop_request()
+            if lora is not None and req.lora is not None:
+                lora.acquire(req)  # a slot load, if any, goes in this step's diff
             running.append(req)
             req.status = RUNNING
             req.num_computed_tokens = num_hit
@@ -160,6 +176,9 @@ class Admission:
                         num_scheduled_tokens=n,
                     )
                 )
+                if req.lora is not None:  # its adapter id travels once, beside it
+                    diff.lora_handles.append(handle)
+                    diff.lora_ids.append(req.lora_int_id)
             else:
                 diff.resumed_reqs.append(
                     ResumedRequestData(
@@ -174,3 +193,5 @@ class Admission:
                 req.num_output_placeholders = 1
             budget -= n
             diff.total += n
+        if skipped:
+            waiting.prepend_requests(skipped)

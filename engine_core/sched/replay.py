@@ -38,6 +38,7 @@ from protocol.codec import pack, unpack
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.kv_transfer import KVLoadResult
+from protocol.lora import LoRARequest
 from protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 
@@ -247,19 +248,22 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
         clock.set(rec, "done_clock" if kind == "update" else "clock")
         if kind == "arrival":
             job = rec.get("job")
-            sched.add_request(
-                Request(
-                    rec["rid"],
-                    rec["prompt"],
-                    msgspec.convert(rec["sampling_params"], sp_type),
-                    rec["eos_token_id"],
-                    rec["arrival_time"],
-                    priority=rec["priority"],
-                    cache_salt=rec["cache_salt"],
-                    **(dict(zip(("job_id", "is_last_step", "tool_name"), job, strict=True))
-                       if job else {}),
-                )
+            lora = rec.get("lora")
+            req = Request(
+                rec["rid"],
+                rec["prompt"],
+                msgspec.convert(rec["sampling_params"], sp_type),
+                rec["eos_token_id"],
+                rec["arrival_time"],
+                priority=rec["priority"],
+                cache_salt=rec["cache_salt"],
+                **(dict(zip(("job_id", "is_last_step", "tool_name"), job, strict=True))
+                   if job else {}),
+                lora=LoRARequest(*lora[:3]) if lora else None,
             )
+            if lora:
+                req.lora_hash = lora[3]
+            sched.add_request(req)
         elif kind == "abort":
             sched.finish_requests(rec["rids"], finish_reason_status(rec["reason"]))
         elif kind == "schedule":

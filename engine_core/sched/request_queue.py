@@ -1,6 +1,7 @@
 """Waiting queues: FCFS (a deque), PRIORITY and CONTINUUM (heaps).
 
-Preempted requests go back to the *front* of the FCFS queue (they were admitted first); the
+Preempted requests go back to the *front* of the FCFS queue (they were admitted first), and so
+do requests admission skipped (for want of an adapter slot), in their order; the
 priority heap orders by (priority, arrival_time, request_id), lower values first; the
 continuum heap by (the job's first arrival, arrival_time, request_id): program-level FCFS,
 so a job's later turn goes before jobs that started after it.
@@ -19,6 +20,7 @@ from engine_core.request import Request
 class RequestQueue(Protocol):
     def add_request(self, request: Request) -> None: ...
     def prepend_request(self, request: Request) -> None: ...
+    def prepend_requests(self, requests: list[Request]) -> None: ...
     def peek_request(self) -> Request: ...
     def pop_request(self) -> Request: ...
     def remove_requests(self, requests: Iterable[Request]) -> None: ...
@@ -36,6 +38,10 @@ class FCFSRequestQueue:
 
     def prepend_request(self, request: Request) -> None:
         self._q.appendleft(request)
+
+    def prepend_requests(self, requests: list[Request]) -> None:
+        """Put ``requests`` back at the front, in their order (admission's skipped ones)."""
+        self._q.extendleft(reversed(requests))
 
     def peek_request(self) -> Request:
         return self._q[0]
@@ -73,6 +79,10 @@ class _KeyedHeapQueue:
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
+
+    def prepend_requests(self, requests: list[Request]) -> None:
+        for r in requests:  # their keys put them back where they were
+            self.add_request(r)
 
     def peek_request(self) -> Request:
         return self._heap[0][3]

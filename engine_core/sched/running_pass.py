@@ -17,6 +17,7 @@ from protocol.messages import RequestOutput
 if TYPE_CHECKING:
     from engine_core.kv_cache.manager import KVCacheManager
     from engine_core.kv_offload.scheduling import OffloadScheduling
+    from engine_core.lora.slots import LoRASlots
     from engine_core.sched.continuum.policy import Continuum
     from engine_core.sched.request_queue import WaitingQueue
     from engine_core.spec_decode.ngram_proposer import NgramProposer
@@ -32,6 +33,7 @@ class RunningPass:
     kv_cache_manager: KVCacheManager
     kv_offload: OffloadScheduling | None
     continuum: Continuum | None
+    lora: LoRASlots | None
     proposer: NgramProposer | None
     policy: str
     max_model_len: int
@@ -152,6 +154,8 @@ class RunningPass:
         self.kv_cache_manager.free(victim)
         if self.reserve_full_isl:
             self._full_blocks -= self.kv_cache_manager.max_blocks(full_len(victim))
+        if self.lora is not None and victim.lora is not None:
+            self.lora.release(victim)  # its adapter's slot may go to another while it waits
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0

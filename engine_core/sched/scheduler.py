@@ -25,6 +25,7 @@ from engine_core.kv_connector.scheduler_side import KVConnectorScheduler
 from engine_core.kv_connector.scheduling import requeue_settled
 from engine_core.kv_offload import KVOffloadManager
 from engine_core.kv_offload.scheduling import OffloadScheduling
+from engine_core.lora.slots import LoRASlots
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.sched import update
 from engine_core.sched.admission import Admission, full_len
@@ -93,6 +94,8 @@ class Scheduler(RunningPass, Admission):
         self.continuum: Continuum | None = None
         if self.policy == "continuum":
             self.continuum = Continuum(config, self.kv_cache_manager, clock, offload is not None)
+        # the LoRA adapter slots (engine_core/lora/slots.py); None without enable_lora
+        self.lora: LoRASlots | None = LoRASlots(config.max_loras) if config.enable_lora else None
         self.waiting = create_request_queue(
             self.policy, self.continuum.program_key if self.continuum is not None else None
         )
@@ -207,8 +210,11 @@ class Scheduler(RunningPass, Admission):
 
     def free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
-        if self.reserve_full_isl and req.status == RUNNING:
-            self._full_blocks -= self.kv_cache_manager.max_blocks(full_len(req))
+        if req.status == RUNNING:
+            if self.reserve_full_isl:
+                self._full_blocks -= self.kv_cache_manager.max_blocks(full_len(req))
+            if self.lora is not None and req.lora is not None:
+                self.lora.release(req)
         req.status = status
         if self.trace is not None:
             self.trace.on_finish(req, FINISH_REASONS[status])
@@ -229,9 +235,17 @@ class Scheduler(RunningPass, Admission):
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        """Requests to run, or (with LoRA) a slot operation the ranks must still be sent: an
+        unloaded adapter's slot is emptied by a step of its own when nothing else runs; or
+        (P/D) connector operations and settled loads that wait for a step."""
         if self.kv_connector is not None and self.kv_connector.has_ops():
-            return True  # connector operations (or settled loads) wait for a step
-        return bool(self.running) or bool(self.waiting)
+            return True
+        return (bool(self.running) or bool(self.waiting)
+                or (self.lora is not None and bool(self.lora.ops)))
+
+    def has_handles_to_forget(self) -> bool:
+        """Finished requests the workers still hold: the next step's diff lists them."""
+        return bool(self._finished_handles)
 
     # ------------------------------------------------------------------ one step
 
@@ -252,7 +266,8 @@ class Scheduler(RunningPass, Admission):
         if diff.spec:
             self.spec_by_step[step_id] = diff.spec
         finished, self._finished_handles = self._finished_handles, []
-        so = diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups)
+        so = diff.build(step_id, finished, len(self.running), self.kv_cache_manager.num_groups,
+                        self.lora.take_ops() if self.lora is not None else None)
         if self.kv_offload is not None:
             # once per step, after every allocation and preemption of it
             so.kv_transfers = self.kv_offload.take_transfers()
@@ -297,6 +312,7 @@ class Scheduler(RunningPass, Admission):
             **(self.kv_offload.stats() if self.kv_offload is not None else {}),
             **(self.continuum.stats() if self.continuum is not None else {}),
             **(self.kv_connector.stats_dict() if self.kv_connector is not None else {}),
+            **(self.lora.stats() if self.lora is not None else {}),
         }
 
     def close(self) -> None:
@@ -320,6 +336,8 @@ class Scheduler(RunningPass, Admission):
             self.running, self.waiting, kvm.req_to_blocks, self.block_size, self.max_num_seqs,
             self.kv_connector.exempt_ids() if self.kv_connector is not None else (),
         )
+        if self.lora is not None:
+            self.lora.check(self.running)
         for r in self.running:
             assert self.by_handle.get(r.handle) is r, f"{r} missing from the handle map"  # type: ignore[arg-type]
         held = sum(len(b) for b in kvm.held_tables())

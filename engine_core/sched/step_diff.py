@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engine_core.kv_cache.block import KVCacheBlock
 from protocol.codec import pack
+from protocol.lora import LoRASlotOp, LoRAStep
 from protocol.messages import (
     CachedRequestData,
     NewRequestData,
@@ -28,6 +29,8 @@ class StepDiff:
         "preempted",
         "spec",
         "total",
+        "lora_handles",
+        "lora_ids",
     )
 
     def __init__(self) -> None:
@@ -41,6 +44,10 @@ class StepDiff:
         # handle -> speculative draft tokens scheduled for verification
         self.spec: dict[int, list[int]] = {}
         self.total = 0
+        # new requests that run with a LoRA adapter, and their adapters' ids (base-model
+        # requests appear in neither)
+        self.lora_handles: list[int] = []
+        self.lora_ids: list[int] = []
 
     def forget(self, handle: int) -> int:
         """Drop a running request's entries (it was preempted after being scheduled) and
@@ -50,7 +57,12 @@ class StepDiff:
         return self.overrides.pop(handle, 1)
 
     def build(
-        self, step_id: int, finished: list[int], num_running: int, num_groups: int = 1
+        self,
+        step_id: int,
+        finished: list[int],
+        num_running: int,
+        num_groups: int = 1,
+        lora_ops: list[LoRASlotOp] | None = None,
     ) -> SchedulerOutput:
         grown = self.grown
         if grown:
@@ -78,4 +90,17 @@ class StepDiff:
             spec_token_ids=pack([t for ts in spec.values() for t in ts]) if spec else b"",
             num_running=num_running,
             total_num_scheduled_tokens=self.total,
+            lora=self._lora(lora_ops),
+        )
+
+    def _lora(self, ops: list[LoRASlotOp] | None) -> LoRAStep | None:
+        """The step's LoRA part: None (one nil byte) unless it loads or empties a slot or
+        admits an adapter request."""
+        handles = self.lora_handles
+        if not ops and not handles:
+            return None
+        return LoRAStep(
+            ops=ops or [],
+            handles=pack(handles) if handles else b"",
+            lora_int_ids=pack(self.lora_ids) if handles else b"",
         )

@@ -163,6 +163,7 @@ class SchedulerTrace:
                 "priority": req.priority,
                 "cache_salt": req.cache_salt,
                 **_job_fields(req),
+                **_lora_fields(req),
             }
         )
         if refused:
@@ -331,6 +332,14 @@ def _job_fields(req: Request) -> dict[str, Any]:
     if req.job_id is None:
         return {}
     return {"job": [req.job_id, req.is_last_step, req.tool_name]}
+
+
+def _lora_fields(req: Request) -> dict[str, Any]:
+    """An arrival's LoRA adapter (only when it has one): name, id, path, content hash."""
+    lora = req.lora
+    if lora is None:
+        return {}
+    return {"lora": [lora.lora_name, lora.lora_int_id, lora.lora_path, req.lora_hash]}
 
 
 def finish_reason_status(reason: str) -> RequestStatus:

@@ -17,11 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from launch.client import EngineDeadError
+from launch.serve.admit import admitted
 from launch.serve.body import parse_request, read_body
+from launch.serve.census import census_body
 from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
 from launch.serve.context import ServerContext
 from launch.serve.errors import APIError, bad_request, error_response, install_error_handlers
+from launch.serve.lora import install_lora_routes
 from launch.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -105,17 +108,29 @@ def build_app(ctx: ServerContext) -> FastAPI:
             }
             for name in ctx.served_names
         ]
+        data += ctx.adapters.model_cards(ctx.created, ctx.engine.max_model_len)
         return {"object": "list", "data": data}
 
+    @app.get("/census")
+    async def census() -> JSONResponse:
+        """Sizes of the maps that grow with client input, per process (launch/census.py)."""
+        try:
+            return JSONResponse(await census_body(ctx))
+        except (EngineDeadError, TimeoutError) as e:
+            return error_response(503, f"no census from the engine: {e}")
+
+    # a generation route holds a slot under --max-queued-requests before it reads the body
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest, ctx.max_request_bytes)
-        return await create_completion(ctx, req, request)
+        with admitted(ctx, request):
+            req = await parse_body(request, CompletionRequest, ctx.max_request_bytes)
+            return await create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes)
-        return await create_chat_completion(ctx, req, request)
+        with admitted(ctx, request):
+            req = await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes)
+            return await create_chat_completion(ctx, req, request)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> JSONResponse:
@@ -148,4 +163,5 @@ def build_app(ctx: ServerContext) -> FastAPI:
             )
         return JSONResponse({"prompt": tok.decode(req.tokens)})
 
+    install_lora_routes(app, ctx, lambda r, m: parse_body(r, m, ctx.max_request_bytes), guarded)
     return app

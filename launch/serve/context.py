@@ -14,6 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from launch.jobs import job_infos
+from launch.serve.adapters import ServedAdapters
 from launch.serve.body import DEFAULT_MAX_REQUEST_BYTES
 from launch.serve.engine import AsyncEngine
 from launch.serve.errors import APIError, bad_request
@@ -29,6 +30,7 @@ from launch.serve.generation import Generation
 from launch.serve.kv_params import request_kv_params
 from launch.serve.metrics import ServerMetrics
 from launch.serve.schemas import SamplingFields
+from protocol.lora import LoRARequest
 from protocol.messages import SamplingParams
 
 T = TypeVar("T")
@@ -47,13 +49,19 @@ class ServerContext:
     max_n: int = 128
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
+    # the LoRA adapters clients may name in `model` (launch/serve/lora.py); none by default
+    adapters: ServedAdapters = field(default=None)  # type: ignore[assignment]
     metrics: ServerMetrics = field(init=False)
     _prompt_chars: int | None = field(default=None, init=False)
     # launch.structured.FrontendGrammars, built on the first constrained request
     grammars: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        # one label value (the base model's name), whatever the adapters: label sets stay
+        # bounded however many adapters come and go
         self.metrics = ServerMetrics(self.served_names[0])
+        if self.adapters is None:
+            self.adapters = ServedAdapters([], [], self.served_names[0])
 
     @property
     def model_name(self) -> str:
@@ -63,9 +71,14 @@ class ServerContext:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model); 404 for an unknown name."""
+        if model is None or model in self.served_names:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return lora
 
     def check_alive(self) -> None:
         if self.engine.dead_reason is not None:
@@ -125,6 +138,7 @@ class ServerContext:
         /v1/completions and /v1/chat/completions)."""
         check_request_id(req.request_id)
         check_stop(req.stop_list())
+        lora = self.check_model(req.model)
         gen = Generation(
             self.engine,
             self.metrics,
@@ -138,14 +152,17 @@ class ServerContext:
             req.priority,
             job_infos(1, req.job_id, req.is_last_step, req.tool_name),
             kv_transfer_params=request_kv_params(req.kv_transfer_params, len(prompts) * req.n),
+            lora=lora,
         )
+        # responses name the adapter that answered (vLLM's), else the base model
+        gen.model_name = req.model if lora is not None else self.model_name
         gen.validate()
         return gen
 
     def chunk_head(self, gen: Generation, obj: str) -> dict[str, Any]:
         """The fields every response object and stream chunk of `gen` starts with."""
         return {"id": gen.base_id, "object": obj, "created": int(time.time()),
-                "model": self.model_name}
+                "model": gen.model_name}
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -14,9 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from launch.admission import Ticket
 from launch.client import Delivery, EngineClient, EngineDeadError
 from launch.llm import LLM
 from protocol.kv_connector import KVTransferParams
+from protocol.lora import LoRARequest
 from protocol.messages import HealthReport, JobInfo, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 
@@ -76,9 +78,12 @@ class AsyncEngine:
         priority: int = 0,
         job: JobInfo | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        lora: LoRARequest | None = None,
+        ticket: Ticket | None = None,
     ) -> float:
         """Send one request; its outputs go to `queue` tagged with `index`. Returns the
-        arrival time (time.time()). Raises EngineDeadError, or ValueError for an id in flight."""
+        arrival time (time.time()). Raises EngineDeadError, ValueError for an id in flight, or
+        QueueFullError (without a `ticket` holding its slot under the queue bound)."""
         assert self._sink is not None, "attach() first"
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -93,6 +98,8 @@ class AsyncEngine:
                 priority=priority,
                 job=job,
                 kv_transfer_params=kv_transfer_params,
+                lora=lora,
+                ticket=ticket,
             )
         except BaseException:
             self._routes.pop(request_id, None)

@@ -16,21 +16,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from launch.admission import RETRY_AFTER_S
+
 logger = logging.getLogger("tandem.serve")
 
 
 class APIError(Exception):
-    """Raised by a handler; becomes an OpenAI error body with this status."""
+    """Raised by a handler; becomes an OpenAI error body with this status (and headers)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def overloaded(message: str) -> APIError:
+    """503 with Retry-After: the queue of waiting requests is full (launch/admission.py)."""
+    return APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def error_type(status: int) -> str:
@@ -53,8 +62,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -73,7 +83,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +21,16 @@ from engine_core.validation import (
     validate_priority,
     validate_prompt,
 )
+from launch.admission import QueueFullError, Ticket
 from launch.client import EngineDeadError
 from launch.detokenizer import IncrementalDetokenizer
 from launch.serve.engine import AsyncEngine, Event
-from launch.serve.errors import APIError, bad_request
+from launch.serve.errors import APIError, bad_request, overloaded
 from launch.serve.metrics import ServerMetrics
 from launch.serve.stop import StopChecker
 from protocol.codec import pack
 from protocol.kv_connector import KVTransferParams, params_to_json
+from protocol.lora import LoRARequest
 from protocol.messages import JobInfo, SamplingParams
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
@@ -35,6 +38,10 @@ from protocol.messages import JobInfo, SamplingParams
 # before calling the error a bad request; generous because a loaded box delays the announcement,
 # and only requests the engine itself refused (past the checks here) ever wait.
 DEAD_GRACE_S = 1.0
+
+# every Generation not yet garbage: its detokenizers, stop-string state and stream buffer are
+# freed with it (the census counts them, launch/serve/census.py)
+LIVE: weakref.WeakSet[Generation] = weakref.WeakSet()
 
 
 @dataclass
@@ -85,9 +92,12 @@ class Generation:
         priority: int = 0,
         jobs: list[JobInfo | None] | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
         self.kv_transfer_params = kv_transfer_params  # one prompt, n = 1 (kv_params.py)
+        self.lora = lora  # the adapter every choice runs with (None: the base model)
+        self.model_name = ""  # what responses report in `model`
         self.job = jobs[0] if jobs else None  # every choice is a turn of the same job
         self.metrics = metrics
         self.base_id = base_id
@@ -106,6 +116,7 @@ class Generation:
         self._unfinished = len(self.choices)
         self.answered = False  # set once the whole response (or its error) is written
         self._got_token = False
+        LIVE.add(self)
 
     # ------------------------------------------------------------------ start
 
@@ -138,9 +149,16 @@ class Generation:
             if err is not None:
                 raise bad_request(err, "prompt")
 
-    def submit(self) -> None:
+    def submit(self, ticket: Ticket | None = None) -> None:
+        """Send every choice. `ticket`: the slot the route took under the queue bound before
+        reading the body; it grows to one slot per choice here (503 when they do not fit)."""
         if self.engine.dead_reason is not None:
             raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+        if ticket is not None:
+            try:
+                ticket.grow_to(len(self.choices))
+            except QueueFullError as e:
+                raise overloaded(str(e)) from None
         tok = self.engine.tokenizer
         for c in self.choices:
             if tok is not None:  # after validate(): the prompt's ids are known to be tokens
@@ -152,9 +170,12 @@ class Generation:
             try:
                 c.arrival = self.engine.submit(
                     c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority,
-                    self.job, self.kv_transfer_params,
+                    self.job, self.kv_transfer_params, self.lora, ticket,
                 )
                 c.submitted = True
+            except QueueFullError as e:
+                self.abort()
+                raise overloaded(str(e)) from None
             except EngineDeadError as e:
                 self.abort()
                 raise APIError(503, f"the engine is dead: {e}") from e

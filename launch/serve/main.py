@@ -23,11 +23,16 @@ def _stop_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from launch.lora_modules import files_error
     from protocol.config import EngineConfig, config_error
 
-    err = config_error(EngineConfig(**engine_options(args)))
+    options = engine_options(args)
+    err = config_error(EngineConfig(**options)) or files_error(options.get("lora_modules", []))
     if err is not None:
         parser.error(err)
+    clash = {m.name for m in args.lora_modules} & set(args.served_model_name or [args.model])
+    if clash:
+        parser.error(f"--lora-modules: {sorted(clash)[0]!r} is also the base model's served name")
     if args.nnodes > 1 and args.node_rank > 0:
         parser.error("serve runs on node 0; start other nodes with `python -m launch --node-rank`")
     try:
@@ -38,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from launch.llm import LLM
+    from launch.serve.adapters import ServedAdapters
     from launch.serve.app import build_app
     from launch.serve.context import ServerContext
     from launch.serve.engine import AsyncEngine
@@ -60,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             from launch.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer)
+        served_names = args.served_model_name or [args.model]
         ctx = ServerContext(
             engine=AsyncEngine(llm, tokenizer),
-            served_names=args.served_model_name or [args.model],
+            served_names=served_names,
             model_path=args.model,
             api_key=args.api_key,
             max_n=args.max_n,
             max_request_bytes=args.max_request_bytes,
+            adapters=ServedAdapters(args.lora_modules, llm.config.lora_modules, served_names[0]),
         )
         config = uvicorn.Config(
             build_app(ctx),

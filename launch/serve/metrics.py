@@ -3,6 +3,10 @@
 Latency histograms and token counters are fed by the frontend as outputs arrive (engine
 timestamps); the running/waiting/KV gauges come from the engine core's health report, fetched
 when the metrics are scraped.
+
+Every metric carries one label value, the base model's served name, also for requests that
+ran with a LoRA adapter: adapters come and go at run time, and a label per adapter would grow
+the label sets without bound. The adapter slots are engine-wide gauges.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ _CONTINUUM_STATS = {
     "continuum_pin_expiries": "Pins released when their TTL ran out (total)",
     "continuum_pressure_releases": "Pins released to make room (total)",
     "continuum_tokens_saved": "Prompt tokens a claimed pin spared a prefill (total)",
+}
+
+# the LoRA adapter slots (engine totals from the health report; absent without --enable-lora)
+_LORA_STATS = {
+    "lora_max_loras": "Device slots for LoRA adapters (--max-loras)",
+    "lora_slots_used": "Slots holding an adapter",
+    "lora_running_adapters": "Adapters of running requests (at most --max-loras)",
+    "lora_loads": "Adapters loaded into a slot (total)",
+    "lora_evictions": "Adapters evicted from a slot for another (total)",
+    "lora_skips": "Admission passes that skipped a request for want of a slot (total)",
 }
 
 
@@ -65,10 +79,16 @@ class ServerMetrics:
         self.client_aborts = Counter("tandem:request_aborted_by_client",
                                      "Engine requests aborted because the HTTP client left",
                                      labels, registry=r)
+        self.refused = Counter("tandem:request_refused_queue_full",
+                               "Requests answered 503 because max_queued_requests were waiting",
+                               labels, registry=r)
         # the continuum policy's pins (engine totals from the health report; absent otherwise)
         self.continuum = {
             key: Gauge(f"tandem:{key}", doc, labels, registry=r)
             for key, doc in _CONTINUUM_STATS.items()
+        }
+        self.lora = {
+            key: Gauge(f"tandem:{key}", doc, labels, registry=r) for key, doc in _LORA_STATS.items()
         }
         self._labels = {"model_name": model_name}
         self._ttft = self.ttft.labels(**self._labels)
@@ -79,6 +99,7 @@ class ServerMetrics:
         self._gone = self.client_aborts.labels(**self._labels)  # exported from 0 on
         self.kv_connector = KVConnectorCollector(model_name)  # P/D transfers and leases
         r.register(self.kv_connector)
+        self._refused = self.refused.labels(**self._labels)
 
     def on_tokens(self, n: int, ts: float, arrival: float, last_token_ts: float | None) -> None:
         """n tokens of one choice arrived at ts; last_token_ts: the choice's previous tokens
@@ -103,13 +124,25 @@ class ServerMetrics:
     def on_client_gone(self, n: int) -> None:
         self._gone.inc(n)
 
+    def on_refused(self) -> None:
+        self._refused.inc()
+
+    def num_label_sets(self) -> int:
+        """Label sets across every metric (the census: bounded by the finish reasons)."""
+        seen = set()
+        for family in self.registry.collect():
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                seen.add((family.name, labels))
+        return len(seen)
+
     def render(self, report: HealthReport | None, in_flight: int) -> bytes:
         if report is not None:
             self.kv_connector.report = report
             self.running.labels(**self._labels).set(report.num_running)
             self.waiting.labels(**self._labels).set(report.num_waiting)
             self.kv_usage.labels(**self._labels).set(report.kv_usage)
-            for key, gauge in self.continuum.items():
+            for key, gauge in (self.continuum | self.lora).items():
                 if key in report.stats:
                     gauge.labels(**self._labels).set(report.stats[key])
         self.in_flight.labels(**self._labels).set(in_flight)

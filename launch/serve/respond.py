@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from launch.serve.admit import queue_ticket
 from launch.serve.context import ClientGone, SSEResponse, until_disconnected
 from launch.serve.errors import APIError, error_body
 from launch.serve.generation import Delta, Generation
@@ -39,7 +40,7 @@ async def respond(
     continuous_usage: bool = False,
 ) -> Response:
     """Run `gen` (already validated) and answer; `head` holds id/object/created/model."""
-    gen.submit()
+    gen.submit(queue_ticket(request))
     try:
         first = await until_disconnected(request, gen.first())
     except ClientGone:

@@ -5,12 +5,14 @@ Accepted shapes (OpenAI's and vLLM's): ``response_format`` {"type": "json_object
 ``structured_outputs`` {"json" | "regex" | "choice" | "grammar"}; the older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``. Two constraints at once are a 400.
 The constraint is compiled (launch.structured) before the request is queued, so a schema,
-regex or grammar the grammar engine refuses is a 400 naming it.
+regex or grammar the grammar engine refuses is a 400 naming it, and so is one that does not
+compile within --structured-outputs-compile-timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -82,11 +84,45 @@ async def constrain(ctx: Any, gen: Generation, spec: StructuredOutputsParams | N
     if spec is None:
         return
     if ctx.grammars is None:
-        ctx.grammars = FrontendGrammars(ctx.tokenizer, ctx.engine.vocab_size)
+        ctx.grammars = FrontendGrammars(ctx.tokenizer, ctx.engine.vocab_size,
+                                        ctx.engine.llm.config)
     params = msgspec.structs.replace(gen.params, structured_outputs=spec)
     try:
-        fut = ctx.grammars.submit(params)
-        await asyncio.wrap_future(fut)
-        gen.params = ctx.grammars.finish(params, fut)
+        pending = ctx.grammars.submit(params)
     except ValueError as e:
+        # a failed compile stays cached and its one exception object is raised again for
+        # every request with the same constraint, each raise adding this frame (and with it
+        # this request's Generation) to its traceback: drop it, or every such request is kept
+        e.__traceback__ = None
         raise bad_request(str(e), param) from None
+    try:
+        # finish() names a timeout; the hold is released whatever happens (a client gone too)
+        while not pending.future.done() and pending.remaining() > 0:
+            await _wait(pending.future, pending.remaining())
+        gen.params = ctx.grammars.finish(params, pending)
+    except ValueError as e:
+        e.__traceback__ = None  # it may be the compile's own exception, shared (see above)
+        raise bad_request(str(e), param) from None
+    finally:
+        pending.hold.release()
+
+
+async def _wait(fut: Future[Any], timeout_s: float) -> None:
+    """Until ``fut`` is done or ``timeout_s`` passed. Never cancels it (other requests may
+    share the compile) and never takes its exception into asyncio (finish() reads it)."""
+    if fut.done():
+        return
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def wake(_: Future[Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(done.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    fut.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(done.wait(), timeout_s)
+    except TimeoutError:
+        pass

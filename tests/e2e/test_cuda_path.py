@@ -39,7 +39,13 @@ CASES = {
     "graphs-pressure": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                             num_gpu_blocks_override=24, debug_invariants=True),
     "graphs-spec": dict(speculative_ngram=3, num_speculative_tokens=3),
+    # async scheduling on CUDA overlaps each rank's host work with its device by default
+    # (worker overlap): graphed and eager steps, and under KV pressure (preemption, chunks)
     "graphs-async": dict(async_scheduling=True),
+    "eager-async": dict(async_scheduling=True, enforce_eager=True),
+    "graphs-async-pressure": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                                  num_gpu_blocks_override=24, debug_invariants=True,
+                                  async_scheduling=True),
     "torch-backend": dict(attention_backend="torch", enforce_eager=True),
 }
 

@@ -28,6 +28,13 @@ def run_tp(tmp_dir: str, model: str, prompts: list[list[int]], world_size: int =
     with open(spec, "w") as f:
         json.dump({"model": model, "prompts": prompts, "max_new": max_new, "eos": eos,
                    "out": out}, f)
+    run_ranks(os.path.join(HERE, "tp_run.py"), [spec], world_size, timeout_s)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def run_ranks(script: str, args: list[str], world_size: int, timeout_s: float) -> None:
+    """Run `python script *args` as world_size torchrun-style ranks on this host; fails (after
+    killing every rank) when one times out or exits non-zero."""
     port = _free_port()
     procs: list[subprocess.Popen] = []
     try:
@@ -36,7 +43,7 @@ def run_tp(tmp_dir: str, model: str, prompts: list[list[int]], world_size: int =
                        WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "tp_run.py"), spec], env=env,
+                [sys.executable, script, *args], env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         for rank, p in enumerate(procs):
             try:
@@ -50,4 +57,3 @@ def run_tp(tmp_dir: str, model: str, prompts: list[list[int]], world_size: int =
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]

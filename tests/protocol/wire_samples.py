@@ -77,6 +77,8 @@ SAMPLES: list[msgspec.Struct] = [
     m.EngineOutputs(
         outputs=[m.RequestOutput(request_id="x", new_token_ids=[1], finish_reason="stop")],
         timestamp=1.5,
+        frames_seen=12,
+        num_waiting=3,
     ),
     m.HealthReport(
         nonce=3,
@@ -86,6 +88,8 @@ SAMPLES: list[msgspec.Struct] = [
         num_running=4,
         num_waiting=2,
         kv_usage=0.75,
+        stats={"num_steps": 10.0},
+        census={"scheduler.requests": 6, "rank0.input_batch.states": 4},
     ),
     m.EngineDead(reason="rank 1 died"),
     m.EngineReady(
@@ -156,7 +160,8 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthPing(nonce=2**40),
     m.ProfileControl(enable=True, trace_dir="/t"),
     m.ResetPrefixCache(),
-    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+")),
+    m.PrepareGrammar(ticket=3, spec=StructuredOutputsParams(regex="[a-z]+"), grammar_id=7),
+    m.DropGrammars(grammar_ids=[7, 2**40]),
     m.PrepareLoRA(lora=LORA, content_hash="ab12"),
     m.DropLoRA(lora_int_id=3),
     m.WorkerHello(
@@ -190,10 +195,11 @@ SAMPLES: list[msgspec.Struct] = [
         kv_copy_us=12.5,
     ),
     m.WorkerError(rank=1, message="oom", traceback="Traceback ...", step_id=5),
-    m.HealthPong(rank=1, nonce=3, last_step_id=9),
+    m.HealthPong(rank=1, nonce=3, last_step_id=9, census={"input_batch.states": 4}),
     m.WorkerReady(rank=2, nonce=5),
     m.GrammarReady(rank=1, ticket=3, error="invalid structured_outputs.regex"),
     m.LoRAReady(rank=1, lora_int_id=3, error="adapter_config.json: use_dora is not supported"),
     KVConnectorReport(rank=1, done=pack([7]), failed=pack([6]), reasons=["refused"],
                       nbytes=4096, seconds=[0.25], transport="tcp"),
+    m.GrammarReady(rank=0, ticket=4, size_bytes=70_000, cache_bytes=2**28),
 ]

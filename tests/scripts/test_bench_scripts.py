@@ -86,6 +86,7 @@ def test_breakdown_summary_non_forward_fraction() -> None:
     # step wall = 10 + 5 + 5 + 70 + 5 + 5 = 100 µs, forward 60 µs -> 40% is not forward
     row.update(schedule_us=10, encode_us=5, broadcast_us=5, wait_us=70, update_us=5, emit_us=5)
     row.update(worker_forward_us=60, worker_prep_us=4, worker_sample_us=3, num_tokens=8)
+    row.update(worker_hidden_us=3, worker_exposed_us=1)
     rows = []
     for i in range(3):  # back to back, 100 µs each
         row.update(start_s=1.0 + i * 100e-6, end_s=1.0 + (i + 1) * 100e-6)
@@ -96,6 +97,7 @@ def test_breakdown_summary_non_forward_fraction() -> None:
     assert s["worker_forward_median_us"] == 60
     assert s["step_wall_median_us"] == pytest.approx(100)
     assert s["exposed_host_median_us"] == pytest.approx(40)
+    assert s["worker_hidden_median_us"] == 3 and s["worker_hidden_fraction"] == 0.75
     # async: each step was planned while the one before ran (start before the previous end),
     # ends 70 µs apart: its wall time is 70, not its 140 µs from start to end
     rows = []
@@ -137,6 +139,8 @@ def test_bench_throughput_breakdown_profile_tp2(tmp_path: Any, no_leftovers: Non
     assert res["output_tokens"] == 16 and res["input_tokens"] == 32
     assert 0.0 <= res["non_forward_fraction"] <= 1.0
     assert res["steps"] >= 4 and res["worker_forward_median_us"] > 0
+    # rank 0's host time between launches: on CPU none of it hides behind the device
+    assert res["worker_exposed_median_us"] > 0 and res["worker_hidden_fraction"] == 0.0
     timeline = json.loads((prof / "step_timeline.json").read_text())
     assert timeline["columns"] == bench_common.COLUMNS
     assert len(timeline["rows"]) == res["steps"]

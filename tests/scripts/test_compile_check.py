@@ -18,3 +18,4 @@ def test_triton_kernels_compile_for_sm90_without_spills() -> None:
                            "--quick"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "paged_attention" in proc.stdout and "FAIL" not in proc.stdout
+    assert "lora_shrink" in proc.stdout and "lora_expand" in proc.stdout

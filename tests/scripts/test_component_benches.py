@@ -27,6 +27,11 @@ CASES = {
             "pd_prefill_diff_bytes_per_request",
             "pd_decode_diff_bytes_per_request",
             "pd_report_bytes_per_request",
+            "lora_prepare_lora_bytes",
+            "lora_slot_op_bytes",
+            "lora_base_request_extra_bytes",
+            "lora_adapter_request_extra_bytes",
+            "lora_decode_step_bytes_adapters",
         ],
     ),
     "bench_scheduler.py": (
@@ -36,6 +41,11 @@ CASES = {
     "bench_worker.py": (
         ["--num-reqs", "16", "--steps", "10", "--runs", "1"],
         ["prep_us", "naive_prep_us"],
+    ),
+    "bench_lora.py": (
+        ["--model", "dummy:micro", "--repeats", "1", "--warmup", "0", "--decode-steps", "1"],
+        ["decode64_cpu_enabled_base_vs_disabled_pct", "decode64_cpu_adapters_8_vs_disabled_pct",
+         "cold_load_ms", "warm_swap_ms", "thrash_16_over_8_step_ms"],
     ),
 }
 

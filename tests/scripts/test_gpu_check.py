@@ -14,8 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = {"cuda_e2e", "triton_cuda", "hf_parity", "compile_check"}
-BENCHES = {f"{m}_{mode}" for m in ("llama-1b", "llama-8b", "smollm2_b1")
-           for mode in ("graphs", "eager")}
+BENCHES = {f"{m}_{mode}" for m in ("llama-1b", "llama-8b", "smollm2_b1", "moe")
+           for mode in ("graphs", "eager")} | {"structured"} | {
+    f"overlap_{b}_{mode}" for b in ("b1", "b256") for mode in ("on", "off")}
 
 
 def test_dry_run_lists_valid_commands_and_the_summary_keys(tmp_path: Path) -> None:
@@ -43,7 +44,8 @@ def test_dry_run_lists_valid_commands_and_the_summary_keys(tmp_path: Path) -> No
             assert (ROOT / script).is_file(), cmd
             flags_by_script.setdefault(script, set()).update(
                 a for a in cmd[4:] if a.startswith("--"))
-    assert set(flags_by_script) == {"scripts/bench_throughput.py", "scripts/bench_latency.py"}
+    assert set(flags_by_script) == {"scripts/bench_throughput.py", "scripts/bench_latency.py",
+                                    "scripts/bench_structured.py"}
     for script, flags in flags_by_script.items():
         helped = subprocess.run([sys.executable, script, "--help"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)

@@ -1,10 +1,13 @@
 """The real `openai` client against a real server: response_format, vLLM's structured fields,
-forced tool calls in OpenAI's shape, and bad constraints as 400s that leave the engine serving."""
+forced tool calls in OpenAI's shape, and bad constraints as 400s that leave the engine serving,
+a schema too slow to compile among them."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -25,8 +28,10 @@ MSG = [{"role": "user", "content": "the quick brown fox"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tok = make_tokenizer_dir(str(tmp_path_factory.mktemp("tok")))
+    # a 1 s compile limit: the schemas here compile in milliseconds, the deep one in seconds
     with serve("--model", "dummy:micro", "--kv-cache-memory", "16M", "--served-model-name",
-               "micro", "--tokenizer", tok, log_dir=str(tmp_path_factory.mktemp("log"))) as s:
+               "micro", "--tokenizer", tok, "--structured-outputs-compile-timeout", "1",
+               log_dir=str(tmp_path_factory.mktemp("log"))) as s:
         yield s
 
 
@@ -114,3 +119,29 @@ def test_bad_constraints_are_400(server: Server, extra: dict[str, Any], needle: 
     ok = httpx.post(server.base_url + "/v1/completions", timeout=60,
                     json={"model": "micro", "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_a_schema_too_slow_to_compile_is_a_400_naming_the_limit(server: Server) -> None:
+    # each level doubles the schema (700 KB at 13) and compiling it takes seconds (about 9 s
+    # on a CI core): far past the 1 s limit, which counts from the request's arrival
+    deep = functools.reduce(
+        lambda inner, _: {"type": "object", "properties": {"a": inner, "b": inner},
+                          "required": ["a"]}, range(13), {"type": "string"})
+    rf = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
+    url = server.base_url + "/v1/completions"
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, url, timeout=120, json={
+            "model": "micro", "prompt": "hi", "max_tokens": 4, "response_format": rf})
+        # meanwhile other requests are served, a constrained one too (the pool's other thread)
+        plain = httpx.post(url, timeout=120, json={"model": "micro", "prompt": "hi",
+                                                   "max_tokens": 2})
+        choice = httpx.post(url, timeout=120, json={
+            "model": "micro", "prompt": "hi", "max_tokens": 8,
+            "structured_outputs": {"choice": ["left", "right"]}})
+        r = slow.result(timeout=120)
+    assert plain.status_code == 200, plain.text
+    assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in ("left", "right")
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "did not compile within 1 s" in message, message
+    assert "--structured-outputs-compile-timeout" in message, message

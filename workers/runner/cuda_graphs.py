@@ -4,7 +4,8 @@ Which graph a step takes and how its inputs are padded is decided in
 workers/runner/graph_buckets.py (pure, tested on CPU); this file only captures the buckets at
 start-up, largest first into one shared memory pool (smaller graphs reuse its memory), and
 replays them: a step fills the persistent input buffers (workers/runner/input_staging.py) in
-place, padded to its bucket, and replays.
+place, padded to its bucket (stage: with worker overlap while the step before still runs, the
+copies queued behind it), and replays (replay, at the step's launch).
 
 Capture needs a forward that never synchronises with the host and allocates nothing from the
 host side: the Triton attention backend is built that way. Under TP the NCCL all-reduces are
@@ -106,15 +107,20 @@ class CudaGraphRunner:
                     len(self.plan.decode), self.plan.tokens_per_req, len(self.plan.mixed),
                     self.plan.max_tokens(), time.perf_counter() - start, used / 2**20)
 
-    def run(self, inputs: BatchInputs) -> tuple[torch.Tensor, np.ndarray]:
-        """Fill the captured buffers with this step (padded to its bucket) and replay.
-        Returns the padded hidden states and the step's logits indices into them."""
+    def stage(self, inputs: BatchInputs) -> tuple[Bucket, torch.Tensor, np.ndarray]:
+        """Fill the captured buffers with this step, padded to its bucket. Returns the bucket,
+        the device input ids (still writable before the replay) and the step's logits
+        indices into the padded hidden states."""
         bucket = self.plan.choose(inputs)
         assert bucket is not None and bucket in self.graphs
         if bucket.decode:  # requests with fewer drafts than K get padding tokens
             inputs, _ = pad_to_uniform(inputs, self.plan.tokens_per_req, self.block_size)
-        self.staging.stage(inputs, num_tokens=bucket.num_tokens, num_reqs=bucket.num_reqs,
-                           for_graph=True)
+        ids, _, _ = self.staging.stage(inputs, num_tokens=bucket.num_tokens,
+                                       num_reqs=bucket.num_reqs, for_graph=True)
+        return bucket, ids, inputs.logits_indices
+
+    def replay(self, bucket: Bucket) -> torch.Tensor:
+        """Run a staged step; returns its (padded) hidden states."""
         graph, hidden = self.graphs[bucket]
         graph.replay()
-        return hidden, inputs.logits_indices
+        return hidden

@@ -13,6 +13,8 @@ own slot mapping and block table per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -20,7 +22,7 @@ from protocol.messages import SchedulerOutput
 from workers.runner.batch_inputs import BatchInputs, InputBuilder
 from workers.runner.block_table import BlockTable, StateMismatchError
 from workers.runner.request_guard import admit_sampling
-from workers.runner.request_state import CachedRequestState, unpack_i32
+from workers.runner.request_state import CachedRequestState, new_request_loras, unpack_i32
 from workers.sample.spec_decode import ragged_arange
 
 __all__ = ["BatchInputs", "CachedRequestState", "InputBatch", "StateMismatchError"]
@@ -63,10 +65,14 @@ class InputBatch(InputBuilder):
         self.num_drafts = np.zeros(m, dtype=np.int32)
         self._draft_rows: np.ndarray | None = None  # rows with drafts this step
         self.num_seeded = 0  # rows with a per-request seed
+        # the device slot of the row's LoRA adapter, -1 = the base model; looked up when the
+        # row is (re)added, from the slots the engine core's ops filled (workers/lora/)
+        self.lora_slot = np.full(m, -1, dtype=np.int32)
+        self.lora_slot_of: Callable[[CachedRequestState], int] = _no_lora
         self._arrays = (
             self.num_tokens, self.num_computed_tokens, self.num_scheduled,
             self.handles, self.temperature, self.top_k, self.top_p, self.min_p,
-            self.want_logprobs, self.seeded, self.seeds,
+            self.want_logprobs, self.seeded, self.seeds, self.lora_slot,
         )  # fmt: skip
         self.states: dict[int, CachedRequestState] = {}
         self.num_rows = 0  # rows in use, holes included; == num_reqs once condensed
@@ -115,6 +121,7 @@ class InputBatch(InputBuilder):
         seed = sp.seed or 0
         self.seeds[row] = seed - 2**64 if seed >= 2**63 else seed
         self.num_seeded += sp.seed is not None
+        self.lora_slot[row] = self.lora_slot_of(st) if st.lora_int_id else -1
         self.handles[row] = st.handle
         st.row = row
         return row
@@ -191,6 +198,7 @@ class InputBatch(InputBuilder):
                 raise StateMismatchError(f"preempted handle {h} is not running")
             self.remove_request(st, keep_tokens=True)
         fresh: list[tuple[CachedRequestState, int]] = []
+        loras = new_request_loras(so.lora)  # handle -> adapter id, new requests with one
         for r in so.resumed_reqs:
             st = self._state(r.handle)
             if st.row >= 0:
@@ -204,10 +212,12 @@ class InputBatch(InputBuilder):
             if err is not None:
                 self.failed[nr.handle] = err
             prompt = unpack_i32(nr.prompt_token_ids, "prompt_token_ids").astype(np.int32)
-            st = CachedRequestState(nr.handle, prompt, sp)
+            st = CachedRequestState(nr.handle, prompt, sp, lora_int_id=loras.pop(nr.handle, 0))
             self.states[nr.handle] = st
             self.add_request(st, unpack_i32(nr.block_ids, "block_ids"), nr.num_computed_tokens)
             fresh.append((st, nr.num_scheduled_tokens))
+        if loras:
+            raise StateMismatchError(f"lora: handles {sorted(loras)} are not new requests")
         self.condense()
         self._append_blocks(so)
         self._set_schedule(so, fresh)
@@ -338,3 +348,8 @@ class InputBatch(InputBuilder):
         assert self._draft_rows is not None
         self.num_drafts[self._draft_rows] = 0
         self._draft_rows = None
+
+
+def _no_lora(st: CachedRequestState) -> int:
+    raise StateMismatchError(f"request {st.handle} runs LoRA adapter {st.lora_int_id}, but "
+                             "LoRA is not enabled on this worker")

@@ -10,8 +10,10 @@ Only live data crosses to the device: the prefix of each array, and of the block
 the columns the step's longest request uses (a table is as wide as max_model_len / block_size,
 8,193 columns at a 131k context), packed contiguously.
 
-Reusing a pinned buffer is safe because each step ends with the device-to-host copy of its
-sampled tokens, which waits for every earlier copy on the stream.
+Each input has two pinned buffers, used in turn: with worker overlap a step is staged while the
+step before it still runs, whose own copies may not have left their buffer yet. A buffer is
+written again two steps later, once the host has waited for that step's sampled tokens, which
+come after every copy the step queued.
 """
 
 from __future__ import annotations
@@ -25,11 +27,25 @@ from workers.attention.reference import AttentionMetadata
 from workers.runner.input_batch import BatchInputs
 
 
-class _Staged:
+class _Pinned:
+    """Two pinned host buffers of one input, used in turn by successive puts."""
+
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         pin = device.type == "cuda"
-        self.host = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        self._hosts = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.host = self._hosts[0]
         self.host_np = self.host.numpy()
+
+    def flip(self) -> None:
+        self._turn ^= 1
+        self.host = self._hosts[self._turn]
+        self.host_np = self.host.numpy()
+
+
+class _Staged(_Pinned):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        super().__init__(shape, dtype, device)
         self.device = torch.empty(shape, dtype=dtype, device=device)
 
     def put(self, arr: np.ndarray, length: int | None = None, fill: int = 0) -> torch.Tensor:
@@ -39,6 +55,7 @@ class _Staged:
         length = n if length is None else length
         if length > self.host_np.shape[0]:
             raise ValueError(f"{length} rows > staging capacity {self.host_np.shape[0]}")
+        self.flip()
         self.host_np[:n] = arr
         if length > n:
             self.host_np[n:length] = fill
@@ -47,22 +64,21 @@ class _Staged:
         return dst
 
 
-class _StagedTable:
+class _StagedTable(_Pinned):
     """A block table: the live [rows, columns] packed contiguously in pinned memory and copied
     as one block; CUDA-graph steps then scatter it on the device into a whole-width twin whose
     address and row stride the captured kernels hold (columns past the live width are stale
     there, and never read: a request reads only the blocks its sequence length covers)."""
 
     def __init__(self, max_reqs: int, max_cols: int, device: torch.device):
-        pin = device.type == "cuda"
-        self.host = torch.empty(max_reqs * max_cols, dtype=torch.int32, pin_memory=pin)
-        self.host_np = self.host.numpy()
+        super().__init__((max_reqs * max_cols,), torch.int32, device)
         self.packed = torch.empty(max_reqs * max_cols, dtype=torch.int32, device=device)
         self.fixed = torch.empty((max_reqs, max_cols), dtype=torch.int32, device=device)
 
     def put(self, table: np.ndarray, num_reqs: int, for_graph: bool) -> torch.Tensor:
         r, width = table.shape
         n = r * width
+        self.flip()
         self.host_np[:n].reshape(r, width)[:] = table
         packed = self.packed[:n]
         packed.copy_(self.host[:n], non_blocking=True)
@@ -134,3 +150,32 @@ class InputStaging:
 
     def logits_index(self, idx: np.ndarray) -> torch.Tensor:
         return self.logits_indices.put(idx)
+
+
+def unstaged_inputs(inputs: BatchInputs, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor,
+                               AttentionMetadata | list[AttentionMetadata]]:
+    """The step's inputs as tensors on a device without staging buffers (on CPU the numpy
+    arrays themselves, zero-copy)."""
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(inputs.slot_mapping),
+        query_start_loc=t(inputs.query_start_loc),
+        seq_lens=t(inputs.seq_lens),
+        block_table=t(inputs.block_table),
+        query_start_loc_np=inputs.query_start_loc,
+        seq_lens_np=inputs.seq_lens,
+        max_query_len=inputs.max_query_len,
+        max_seq_len=inputs.max_seq_len,
+    )
+    if not inputs.other_groups:
+        return t(inputs.input_ids), t(inputs.positions), meta
+    # one metadata per KV cache group: its own slots and block table, the rest shared
+    metas = [meta] + [
+        replace(meta, slot_mapping=t(slots), block_table=t(table))
+        for slots, table in inputs.other_groups
+    ]
+    return t(inputs.input_ids), t(inputs.positions), metas

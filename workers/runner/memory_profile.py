@@ -57,16 +57,20 @@ class KVCachePlan:
     source: str  # num_gpu_blocks_override | kv_cache_memory | gpu_memory_utilization | cpu default
     sampler_bytes: int = 0  # the sampler's peak (counted, not profiled)
     graph_bytes: int = 0  # the CUDA graph pool's estimate (0: no graphs)
+    # LoRA slot buffers (--enable-lora): allocated before the sizing, so on CUDA the memory in
+    # use after loading already holds them; reported, not subtracted twice
+    lora_bytes: int = 0
 
     def log_line(self, rank: int, device: str) -> str:
         def mib(n: int | None) -> str:
             return "not profiled" if n is None else f"{n / MiB:.1f} MiB"
 
         total = "" if self.total_bytes is None else f", device total {mib(self.total_bytes)}"
+        lora = f", LoRA slots {mib(self.lora_bytes)}" if self.lora_bytes else ""
         return (
             f"rank {rank} on {device}: weights {mib(self.weights_bytes)} "
             f"({self.weights_bytes} B), peak activations {mib(self.peak_activation_bytes)}, "
-            f"sampler peak {mib(self.sampler_bytes)}, CUDA graphs {mib(self.graph_bytes)}, "
+            f"sampler peak {mib(self.sampler_bytes)}, CUDA graphs {mib(self.graph_bytes)}{lora}, "
             f"KV cache {mib(self.kv_bytes)} ({self.kv_bytes} B) = {self.num_blocks} blocks of "
             f"{self.bytes_per_block} B [{self.source}]{total}"
         )
@@ -236,10 +240,12 @@ def cuda_profile_peak(model: LlamaForCausalLM, num_tokens: int, max_model_len: i
 
 def plan_for_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.device,
                    block_size: int, max_model_len: int, rank: int,
-                   graph_shapes: tuple[int, int] | None = None) -> KVCachePlan:
+                   graph_shapes: tuple[int, int] | None = None,
+                   lora_bytes: int = 0) -> KVCachePlan:
     """A loaded model's KV cache sizing on this rank (what the model runner allocates),
     logged once. graph_shapes: (number of CUDA graphs, the largest one's token count), None
-    when this rank captures none."""
+    when this rank captures none. lora_bytes: the LoRA slot buffers, already allocated (on
+    CUDA they are part of the memory in use when the sizing measures it)."""
     from workers.sample.peak_memory import sampler_peak_bytes
 
     budget = config.max_num_batched_tokens or default_max_batched_tokens(device.type)
@@ -261,5 +267,6 @@ def plan_for_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.
         sampler_bytes=sampler_peak_bytes(rows, model.cfg.vocab_size, model.dtype.itemsize),
         graph_bytes=graph_bytes,
     )
+    plan.lora_bytes = lora_bytes
     logger.info("%s", plan.log_line(rank, str(device)))
     return plan

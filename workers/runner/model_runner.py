@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,22 +18,27 @@ from protocol.config import GPU_MAX_BATCHED_TOKENS, EngineConfig
 from protocol.devices import resolve_dtype
 from protocol.kv_transfer import KVLoadResult
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
-from workers.attention.reference import AttentionMetadata
 from workers.parallel.distributed import DistEnv, tp_all_reduce_min
 from workers.runner.graph_buckets import GraphPlan
-from workers.runner.input_batch import BatchInputs, InputBatch
-from workers.runner.input_staging import InputStaging
+from workers.runner.input_batch import InputBatch
+from workers.runner.input_staging import InputStaging, unstaged_inputs
 from workers.runner.memory_profile import KVCachePlan, plan_for_model
+from workers.runner.pending_tokens import fill_input_ids, pending_span, reserve, resolve
 from workers.runner.request_guard import failed_fields, take_failed
-from workers.sample.sampler import GREEDY_EPS, Sampler, tokens_checksum
-from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_greedy
+from workers.runner.request_state import unpack_i32
+from workers.runner.step_flight import InFlightStep, PreparedStep
+from workers.runner.step_sample import StepTokens, sample_step
+from workers.runner.token_copy import TokenCopy
+from workers.sample.sampler import Sampler, tokens_checksum
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from protocol.lora import LoRARequest
     from protocol.structured import StructuredOutputsParams
     from workers.kv_connector.worker_side import KVConnectorWorker
     from workers.kv_offload.host_pool import KVOffloadExecutor
+    from workers.lora.manager import LoRAManager
     from workers.model.config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
     from workers.runner.cuda_graphs import CudaGraphRunner
@@ -72,6 +77,15 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or 0
         self.num_blocks = 0
         self.sampler = Sampler(config.seed, self.device)
+        # the one device-to-host copy of each step's tokens, on its own stream on CUDA
+        self.token_copy = TokenCopy(self.device, config.max_num_seqs)
+        # the launched step's sampled tensor, until its finish: the input ids of a step
+        # prepared meanwhile take its tokens from it (pending_tokens.py)
+        self._in_flight_tokens: torch.Tensor | None = None
+        # requests preempted by diffs applied since the last finish: their saved tokens may
+        # hold a sentinel of the step in flight
+        self._parked: list[int] = []
+        self._unfinished: InFlightStep | None = None  # launched, not finished
         self.input_batch: InputBatch | None = None
         # CUDA only: pinned staging buffers (CPU tensors from numpy are already zero-copy) and
         # the decode-step graphs.
@@ -91,6 +105,8 @@ class ModelRunner:
         # disaggregated prefill / decode (workers/kv_connector/); None without
         # --kv-transfer-config
         self.kv_connector: KVConnectorWorker | None = None
+        # LoRA adapters' slots and layer wrappers (workers/lora/); None without --enable-lora
+        self.lora: LoRAManager | None = None
 
     def _make_structured(self) -> StructuredOutputs:
         if self.structured is None:
@@ -103,10 +119,19 @@ class ModelRunner:
                 self.config.max_num_seqs * (1 + k), k, self.device)
         return self.structured
 
-    def prepare_grammar(self, spec: StructuredOutputsParams) -> Future[Any]:
+    def prepare_grammar(self, spec: StructuredOutputsParams, grammar_id: int) -> Future[Any]:
         """Start compiling a constraint before its request is scheduled; the request's
-        NewRequestData later finds it in the grammar cache."""
-        return self._make_structured().cache.submit(spec)
+        NewRequestData later finds it in the grammar cache (entry ``grammar_id``, kept until
+        the engine core drops it)."""
+        return self._make_structured().cache.submit(spec, grammar_id)
+
+    def drop_grammars(self, grammar_ids: list[int]) -> None:
+        """The engine core's eviction of compiled grammars (DropGrammars)."""
+        if self.structured is not None:
+            self.structured.cache.drop(grammar_ids)
+
+    def grammar_cache_bytes(self) -> int:
+        return self.structured.cache.size_bytes if self.structured is not None else 0
 
     def _structured_outputs(self, so: SchedulerOutput) -> StructuredOutputs | None:
         if self.structured is None and any(
@@ -142,6 +167,11 @@ class ModelRunner:
             num_groups=self.num_kv_groups,
         )
         self.model.set_attention_backend(self.config.attention_backend)
+        if self.config.enable_lora:  # slot buffers allocated before the KV cache is sized
+            from workers.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.config, self.input_batch, self.dtype,
+                                    self.device)
         if self.device.type == "cuda":
             budget = self.config.max_num_batched_tokens or GPU_MAX_BATCHED_TOKENS
             # A step's tokens fit the budget; drafts may add up to K per request on top.
@@ -178,8 +208,11 @@ class ModelRunner:
             raise RuntimeError("load_model() must run before plan_kv_cache()")
         plan = self.graph_plan()
         shapes = None if plan is None else (len(plan.buckets()), plan.max_tokens())
-        return plan_for_model(self.model, self.config, self.device, self.block_size,
-                              self.max_model_len, self.dist.rank, shapes)
+        lora = self.lora  # the profile forward (CUDA) runs every token through an adapter
+        with lora.worst_case() if lora is not None else nullcontext():
+            return plan_for_model(self.model, self.config, self.device, self.block_size,
+                                  self.max_model_len, self.dist.rank, shapes,
+                                  lora_bytes=lora.nbytes if lora is not None else 0)
 
     def init_kv_cache(self) -> int:
         """Allocate the paged KV cache once; returns num_blocks (block 0 is the null block)."""
@@ -241,6 +274,16 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.close()
 
+    def prepare_lora(self, lora: LoRARequest, content_hash: str) -> str:
+        """PrepareLoRA: the adapter's slice into host memory; why it was refused, or ""."""
+        if self.lora is None:
+            return "LoRA is not enabled on this worker (--enable-lora)"
+        return self.lora.prepare(lora, content_hash)
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.drop(lora_int_id)
+
     def _settle_kv_loads(self) -> KVLoadResult | None:
         """Disk -> host reads that every rank finished (or any rank failed): the ranks agree
         on each read's state (MIN all-reduce, only in steps with reads in flight), so all of
@@ -252,144 +295,163 @@ class ModelRunner:
         agreed = tp_all_reduce_min(states, self.device)
         return self.kv_offload.settle(slots, agreed)
 
+    # ------------------------------------------------------------------ one step
+    # prepare -> launch -> finish. With worker overlap (workers/overlap.py) the worker calls
+    # them as prepare(k+1) [while step k runs], finish(k), launch(k+1); otherwise in order.
+    # prepare touches only the batch (and, on CUDA, stages the inputs); everything whose
+    # meaning depends on step k's tokens or device work being done waits for launch.
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the sampled tokens (every rank computes the same ones)."""
-        assert self.input_batch is not None and self.model is not None
+        """Run one step in order; returns the sampled tokens (every rank computes the same)."""
+        return self.finish(self.launch(self.prepare(so)))
+
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """Apply the step's diff and build its inputs (on CUDA: stage them on the device).
+
+        A step may be in flight meanwhile: its rows hold sentinels for their sampled tokens,
+        which the device inputs take from its sampled tensor (pending_tokens.py)."""
+        assert self.input_batch is not None
+        if self._unfinished is not None and not self._unfinished.overlappable:
+            raise RuntimeError("a step that cannot overlap must finish before the next is "
+                               "prepared")
         t0 = time.perf_counter()
         batch = self.input_batch
+        # new requests failing here belong to this step's output, not the one in flight's
+        in_flight_failed, batch.failed = batch.failed, {}
+        lora = self.lora
+        try:
+            if lora is not None and so.lora is not None:
+                # before the batch looks up its new rows' slots; a slot's weights are written
+                # in stream order, after the step in flight that may still read them
+                lora.apply_ops(so.lora.ops)
+            batch.apply(so)
+            if lora is not None:
+                lora.check_rows()
+            failed = batch.failed
+        finally:
+            batch.failed = in_flight_failed
+        self._parked.extend(unpack_i32(so.preempted_handles, "preempted_handles").tolist())
+        step = PreparedStep(so, failed)
+        if so.total_num_scheduled_tokens:
+            inputs = step.inputs = batch.prepare_inputs()
+            step.logits_indices = inputs.logits_indices
+            # graphs are captured without LoRA: a step with adapter rows runs eagerly (the
+            # token groups by slot are set here for this step's forward)
+            with_lora = lora is not None and lora.begin_step(inputs)
+            if self.graphs is not None and not with_lora and self.graphs.can_run(inputs):
+                step.bucket, ids, step.logits_indices = self.graphs.stage(inputs)
+            else:
+                step.eager = (self.staging.stage(inputs) if self.staging is not None
+                              else unstaged_inputs(inputs, self.device))
+                ids = step.eager[0]
+            span = pending_span(inputs)
+            if span:
+                fill_input_ids(ids, self._in_flight_tokens, span)
+        step.prep_us = (time.perf_counter() - t0) * 1e6
+        return step
+
+    def launch(self, step: PreparedStep) -> InFlightStep:
+        """Queue the step's forward and sampling, and the copy of its tokens to the host.
+        The step before must be finished (its tokens on the host)."""
+        assert self.input_batch is not None and self.model is not None
+        if self._unfinished is not None:
+            raise RuntimeError("the step before must finish before the next launches")
+        batch = self.input_batch
+        so, inputs = step.so, step.inputs
+        transfer = self.token_copy.begin()
+        batch.failed.update(step.failed)
         structured = self._structured_outputs(so)
-        batch.apply(so)
         offload = self.kv_offload
         copy_us = 0.0
         if offload is not None and so.kv_transfers is not None:
-            # before the forward (and before the early return: a step may carry only copies)
+            # after the step before has run (it may write the blocks a store reads) and before
+            # this forward (and before the early return: a step may carry only copies)
             spent = offload.apply_seconds
             offload.apply(so.kv_transfers, self._k_caches, self._v_caches)
             copy_us = (offload.apply_seconds - spent) * 1e6
         if self.kv_connector is not None and so.kv_connector is not None:
             self.kv_connector.start_load_kv(so.kv_connector)  # returns at once
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(
-                step_id=so.step_id, rank=self.dist.rank, req_handles=b"",
-                kv_load=self._settle_kv_loads() if offload is not None else None,
-                kv_copy_us=copy_us)
-        inputs = batch.prepare_inputs()
-        # constrained requests' masks are filled on a helper thread while the forward runs
-        masks = (structured.plan(batch.handles[inputs.sample_rows], inputs.drafts)
-                 if structured is not None else None)
+        flight = self._unfinished = InFlightStep(so, step.prep_us, transfer, copy_us=copy_us)
+        if inputs is None:
+            self.token_copy.start(transfer, None, None)
+            return flight
+        flight.inputs = inputs
+        flight.handles = batch.handles[inputs.sample_rows]
+        # constrained requests' masks are filled on a helper thread while the forward runs;
+        # they need the step before's tokens accepted, which its finish queued before this
+        masks = flight.masks = (structured.plan(flight.handles, inputs.drafts)
+                                if structured is not None else None)
         if offload is not None:
             offload.wait_before_forward()  # this step's tier copies land before the forward
-        logits_indices = inputs.logits_indices
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            t1 = time.perf_counter()
-            # padded: a decode step's real tokens may move (draft padding)
-            hidden, logits_indices = self.graphs.run(inputs)
+        if step.bucket is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.replay(step.bucket)
         else:
-            input_ids, positions, meta = self._to_device(inputs)
-            t1 = time.perf_counter()
-            hidden = self.model(input_ids, positions, meta)
-        sampled = None
-        lp = None
-        spec: SpecOutput | None = None
-        drafts = inputs.drafts  # set only when some request verifies drafts this step
+            assert step.eager is not None
+            hidden = self.model(*step.eager)
+        out = StepTokens()
         if len(inputs.sample_rows):
+            assert step.logits_indices is not None
             if self.staging is not None:
-                idx = self.staging.logits_index(logits_indices)
+                idx = self.staging.logits_index(step.logits_indices)
             else:
-                idx = torch.from_numpy(logits_indices)
-            md = batch.sampling_metadata(inputs.sample_rows)
-            if (masks is None and not md.need_logprobs
-                    and bool((md.temperature <= GREEDY_EPS).all())):
-                # All greedy: argmax per vocab shard, no full-logit all-gather; drafts only
-                # add logits indices.
-                targets = self.model.greedy_tokens(hidden[idx])
-                if drafts is None:
-                    sampled = targets.to(torch.int32).cpu().numpy()
-                else:
-                    spec = verify_greedy(targets, drafts)
-                t2 = time.perf_counter()
-            else:
-                logits = self.model.compute_logits(hidden[idx])
-                greedy = None
-                if masks is not None:
-                    assert structured is not None
-                    logits = logits.float()
-                    if (drafts is None and not md.need_logprobs
-                            and bool((md.temperature <= GREEDY_EPS).all())):
-                        greedy = structured.greedy(masks, logits)
-                    if greedy is None:
-                        structured.apply(masks, logits)
-                t2 = time.perf_counter()
-                if greedy is not None:
-                    sampled = greedy.to(torch.int32).numpy()
-                elif drafts is None:
-                    out = self.sampler(logits, md)
-                    sampled = out.token_ids.to(torch.int32).cpu().numpy()
-                    if out.logprobs is not None:
-                        lp = out.logprobs.float().cpu().numpy()
-                else:
-                    spec = sample_with_drafts(self.sampler, logits, drafts, md)
-        else:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # honest forward time when nothing samples
-            t2 = time.perf_counter()
-            sampled = np.zeros(0, dtype=np.int32)
+                idx = torch.from_numpy(step.logits_indices)
+            out = sample_step(self.model, self.sampler, batch, inputs, hidden, idx,
+                              structured, masks)
+        if out.spec is not None:
+            # drafts: the accepted counts decide the rows' tokens, so nothing may follow
+            # before they are on the host; the step is finished before the next is prepared
+            flight.spec = out.spec
+            self.token_copy.ready(transfer, out.spec.token_ids, out.spec.logprobs)
+            return flight
+        reserve(batch, inputs)
+        self.token_copy.start(transfer, out.tokens, out.logprobs)
+        self._in_flight_tokens = out.tokens
+        flight.overlappable = True
+        return flight
+
+    def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
+        """Wait for the step's tokens, write them into the batch and build its output."""
+        assert self.input_batch is not None and flight is self._unfinished
+        self._unfinished = None
+        batch = self.input_batch
+        sampled, lp = flight.transfer.wait()
+        t0 = time.perf_counter()
+        so, inputs = flight.so, flight.inputs
         counts = None
-        if spec is not None:
-            sampled, counts, lp = spec.token_ids, spec.counts, spec.logprobs
-        batch.update_after_step(inputs, sampled, counts)
-        if masks is not None:
+        if flight.spec is not None:
+            sampled, counts, lp = flight.spec.token_ids, flight.spec.counts, flight.spec.logprobs
+            assert inputs is not None
+            batch.update_after_step(inputs, sampled, counts)
+        else:
+            assert sampled is not None
+            resolve(batch, sampled, self._parked)
+        self._parked.clear()
+        self._in_flight_tokens = None
+        structured = self.structured
+        if flight.masks is not None:
             assert structured is not None
-            structured.accept(masks, sampled, counts)
+            structured.accept(flight.masks, sampled, counts)
         if structured is not None:
             structured.take_failed(batch.failed)
-        t3 = time.perf_counter()
-
-        handles = batch.handles[inputs.sample_rows]
         failed = take_failed(batch.failed)
         checksum = None
         if self.config.enable_checksum:  # failed handles count: ranks must agree on them too
             checksum = tokens_checksum(sampled if failed is None else
                                        np.concatenate([sampled, failed[0]]))
+        kv_load = self._settle_kv_loads() if self.kv_offload is not None else None
+        t = flight.transfer
         return ModelRunnerOutput(
             step_id=so.step_id,
             rank=self.dist.rank,
-            req_handles=pack(handles),
+            req_handles=pack(flight.handles),
             num_tokens=pack(counts) if counts is not None and (counts != 1).any() else b"",
             sampled_token_ids=pack(sampled),
             logprobs=pack_f32(lp) if lp is not None else b"",
             checksum=checksum,
-            timings_us=[(t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6],
-            kv_load=self._settle_kv_loads() if offload is not None else None,
-            kv_copy_us=copy_us,
+            timings_us=[flight.prep_us, (t.t_ready - t.t_launch) * 1e6,
+                        (time.perf_counter() - t0) * 1e6, flight.hidden_us, flight.exposed_us],
+            kv_load=kv_load,
+            kv_copy_us=flight.copy_us,
             **failed_fields(failed),
         )
-
-    def _to_device(
-        self, inputs: BatchInputs
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
-        if self.staging is not None:
-            return self.staging.stage(inputs)
-        dev = self.device
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=t(inputs.slot_mapping),
-            query_start_loc=t(inputs.query_start_loc),
-            seq_lens=t(inputs.seq_lens),
-            block_table=t(inputs.block_table),
-            query_start_loc_np=inputs.query_start_loc,
-            seq_lens_np=inputs.seq_lens,
-            max_query_len=inputs.max_query_len,
-            max_seq_len=inputs.max_seq_len,
-        )
-        if not inputs.other_groups:
-            return t(inputs.input_ids), t(inputs.positions), meta
-        # one metadata per KV cache group: its own slots and block table, the rest shared
-        metas = [meta] + [
-            replace(meta, slot_mapping=t(slots), block_table=t(table))
-            for slots, table in inputs.other_groups
-        ]
-        return t(inputs.input_ids), t(inputs.positions), metas

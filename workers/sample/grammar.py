@@ -1,11 +1,9 @@
-"""Compiling constraints with xgrammar: the token table once per model, grammars once per key.
+"""Compiling constraints with xgrammar: the token table once per model, a grammar per key.
 
 Used by the frontend (to refuse a bad schema, regex or grammar before anything is queued) and
-by every worker (each compiles the grammars of its own requests). Compilation runs on a small
-thread pool, and so does importing xgrammar (seconds: it pulls in transformers), so no step
-waits for either; xgrammar's compiler releases the GIL, so a step in progress keeps its core
-while a grammar compiles next to it. Compiled grammars are cached by the constraint's key
-(xgrammar's compiler also caches by source, so a key seen again costs a dict lookup).
+by every worker (each compiles the grammars of its own requests), through the bounded cache in
+workers/sample/grammar_cache.py. xgrammar's compiler releases the GIL, so a step in progress
+keeps its core while a grammar compiles next to it.
 
 The vocabulary comes from the frontend's tokenizer loader (launch.tokenizer) given the same
 source the frontend uses (EngineConfig.tokenizer, else the model): one loader, so the frontend
@@ -17,9 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from protocol.structured import StructuredOutputsParams
@@ -29,8 +25,6 @@ if TYPE_CHECKING:
 
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:line: ": noise to a client
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
-# compilation is CPU work that competes with the forward; two threads keep one free core
-COMPILE_THREADS = 2
 
 
 class GrammarError(ValueError):
@@ -115,45 +109,3 @@ def hold_until_file(path: str, limit_s: float = 120.0) -> None:
     deadline = time.monotonic() + limit_s
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-class GrammarCache:
-    """Compiled grammars by key, compiled on a thread pool; the token table built once, lazily
-    (on the pool too: a tokenizer can take seconds to load)."""
-
-    def __init__(self, info_factory: Any, before_compile: Any = None) -> None:
-        self._info_factory = info_factory  # () -> xgr.TokenizerInfo
-        self._before_compile = before_compile  # () -> None: a test's slow compile, else None
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._lock = threading.Lock()  # guards _futures; held only for dict work
-        self._compiler_lock = threading.Lock()  # held while the token table is built
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-        self._futures: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
-
-    def submit(self, spec: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of ``spec``, now or later; a failed compile is not cached."""
-        key = spec.key()
-        with self._lock:
-            fut = self._futures.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
-                return fut
-            fut = self._pool.submit(self._compile, spec)
-            self._futures[key] = fut
-            return fut
-
-    def compiler(self) -> xgr.GrammarCompiler:
-        with self._compiler_lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
-                # the compiler's own threads: one, the pool above gives the parallelism
-                self._compiler = xgr.GrammarCompiler(self._info_factory(), max_threads=1)
-            return self._compiler
-
-    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        if self._before_compile is not None:
-            self._before_compile()
-        return compile_constraint(self.compiler(), spec)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

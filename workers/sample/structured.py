@@ -32,7 +32,8 @@ from protocol.codec import unpack
 from protocol.messages import SchedulerOutput
 from protocol.structured import StructuredOutputsParams
 from workers import cpu_ops
-from workers.sample.grammar import GrammarCache, hold_until_file, load_tokenizer_info
+from workers.sample.grammar import hold_until_file, load_tokenizer_info
+from workers.sample.grammar_cache import GrammarCache
 from workers.sample.spec_decode import DraftLayout
 
 if TYPE_CHECKING:
@@ -96,7 +97,9 @@ class StructuredOutputs:
         for nr in so.new_reqs:
             spec: StructuredOutputsParams | None = nr.sampling_params.structured_outputs
             if spec is not None:
-                self.pending[nr.handle] = self.cache.submit(spec)
+                # the core announced it (PrepareGrammar) and keeps it while the request lives;
+                # a key it did not announce is compiled for this request alone, not cached
+                self.pending[nr.handle] = self.cache.submit(spec, keep=False)
 
     def _matcher(self, handle: int) -> xgr.GrammarMatcher | None:
         m = self.matchers.get(handle)

@@ -55,7 +55,9 @@ def add_workload(s: Scheduler, seed: int = 1) -> None:
             rng.randrange(10, 99) for _ in range(rng.randrange(2, 30))
         ]
         eos = 13 if i % 3 == 0 else None
-        s.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randrange(4, 30), eos=eos))
+        lora = i % 4 if s.lora is not None else 0  # with LoRA: three adapters and the base
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randrange(4, 30), eos=eos,
+                                   lora=lora))
 
 
 def model(tokens: list[int]) -> int:
@@ -144,8 +146,9 @@ def test_step_records_hold_the_decisions() -> None:
         {"async_scheduling": False, "speculative_ngram": 2, "num_speculative_tokens": 3},
         {"async_scheduling": False, "scheduler_reserve_full_isl": True},
         {"async_scheduling": False, "enable_prefix_caching": False, "num_blocks": 40},
+        {"async_scheduling": False, "enable_lora": True, "max_loras": 2},
     ],
-    ids=["sync", "async", "priority", "ngram", "gate", "no-prefix-cache"],
+    ids=["sync", "async", "priority", "ngram", "gate", "no-prefix-cache", "lora"],
 )
 def test_replay_makes_the_recorded_decisions(cfg: dict[str, Any]) -> None:
     buf, _, _ = record(**cfg)

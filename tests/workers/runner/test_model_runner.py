@@ -220,6 +220,6 @@ def test_seeded_sampling_reproducible_with_logprobs_and_checksum() -> None:
 def test_timings_and_step_gap() -> None:
     d = Driver(make_runner())
     out, _ = d.step({0: len(PROMPT)}, new={0: (PROMPT, GREEDY)})
-    assert len(out.timings_us) == 3 and out.rank == 0
+    assert len(out.timings_us) == 5 and out.rank == 0
     with pytest.raises(StateMismatchError, match="step gap"):
         d.runner.execute(SchedulerOutput(step_id=5, num_running=1, total_num_scheduled_tokens=1))
