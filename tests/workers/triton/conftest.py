@@ -1,20 +1,10 @@
 """The Triton kernels run on a GPU where there is one, else on CPU tensors under the Triton
-interpreter. TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before
-any test module imports workers.triton_ops.* (pytest imports this file first)."""
+interpreter (TRITON_INTERPRET is set for the whole session by tests/conftest.py, before anything
+imports triton)."""
 
 import os
 
 import pytest
-
-try:
-    import torch
-
-    HAS_CUDA = torch.cuda.is_available()
-except ImportError:  # pragma: no cover - torch is a hard dependency
-    HAS_CUDA = False
-
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
