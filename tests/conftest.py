@@ -1,4 +1,5 @@
-"""Session-wide set-up that must come before any test module is imported.
+"""Session-wide set-up that must come before any test module is imported, and fixtures shared
+across the test packages.
 
 Without a GPU the Triton kernels run on CPU tensors under the Triton interpreter. Triton reads
 TRITON_INTERPRET when a function is decorated, its own standard library (tl.zeros, ...)
@@ -10,7 +11,19 @@ interpreter that calls a library function decorated without it fails with "Canno
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def lora_world(tmp_path_factory):
+    """A tiny HF Llama with three PEFT adapters and peft's tokens for them
+    (tests/helpers/lora.py): one per session, so the runner tests (both kernel paths) and the
+    engine's end-to-end tests pay for each peft reference once."""
+    pytest.importorskip("peft")
+    from tests.helpers.lora import LoRAWorld
+
+    return LoRAWorld(str(tmp_path_factory.mktemp("lora_world")))

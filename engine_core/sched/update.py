@@ -55,12 +55,13 @@ def update_from_output(
         counts = None
     by_handle = s.by_handle
     outputs: list[RequestOutput] = []
-    finished: list[Request] = []
+    finished: list[tuple[Request, RequestStatus]] = []
     # One float32 per sampled token whenever any request of the step asked for logprobs.
     lps = unpack_f32(model_output.logprobs) if model_output.logprobs else None
     if counts is None and spec is None and lps is None:
-        if _update_one_token_each(s, handles, tokens, outputs):
-            s.running = [r for r in s.running if r.status == RUNNING]
+        _update_one_token_each(s, handles, tokens, outputs, finished)
+        if finished:
+            _free_finished(s, finished)
         if s.trace is not None:
             s.trace.on_update(scheduler_output.step_id, kv_load)
         return outputs
@@ -92,13 +93,24 @@ def update_from_output(
         new, status = _append_tokens(req, new)
         outputs.append(_output(req, new, status, _slice(lps, start, end, req)))
         if status is not None:
-            s.free_request(req, status)
-            finished.append(req)
+            finished.append((req, status))
     if finished:
-        s.running = [r for r in s.running if r.status == RUNNING]
+        _free_finished(s, finished)
     if s.trace is not None:
         s.trace.on_update(scheduler_output.step_id, kv_load)
     return outputs
+
+
+def _free_finished(s: UpdateTarget, finished: list[tuple[Request, RequestStatus]]) -> None:
+    """Free the step's finished requests in handle (admission) order, not in the order of
+    the worker's batch rows: the order of frees is the prefix cache's LRU order and the
+    adapter slots', so it must follow from the scheduler's own decisions. Then a replay of
+    the trace, whose fake worker knows nothing of the real one's rows, decides the same."""
+    if len(finished) > 1:
+        finished.sort(key=lambda f: f[0].handle or 0)  # a running request has a handle
+    for req, status in finished:
+        s.free_request(req, status)
+    s.running = [r for r in s.running if r.status == RUNNING]
 
 
 def _append_tokens(
@@ -153,12 +165,13 @@ def _update_preempted(s: UpdateTarget, req: Request, new: list[int], outputs: li
 
 
 def _update_one_token_each(
-    s: UpdateTarget, handles: list[int], tokens: list[int], outputs: list[RequestOutput]
-) -> bool:
+    s: UpdateTarget, handles: list[int], tokens: list[int], outputs: list[RequestOutput],
+    finished: list[tuple[Request, RequestStatus]],
+) -> None:
     """The common case (one sampled token per request, no drafts), kept lean because it
-    runs for every decoding request on every step. Returns whether any request finished."""
+    runs for every decoding request on every step. The requests that finished go to
+    ``finished``, for the caller to free."""
     by_handle = s.by_handle
-    any_finished = False
     for handle, tok in zip(handles, tokens, strict=True):
         req = by_handle.get(handle)
         if req is None:  # finished or aborted since the step was planned
@@ -196,9 +209,7 @@ def _update_one_token_each(
                 num_cached_tokens=max(req.num_cached_tokens, 0),
             )
         )
-        s.free_request(req, status)
-        any_finished = True
-    return any_finished
+        finished.append((req, status))
 
 
 def _slice(lps: list[float] | None, start: int, end: int, req: Request) -> list[float] | None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+from typing import Any
 
 
 def _ppid_map() -> dict[int, int]:
@@ -62,3 +64,32 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
+
+
+def run_watched(cmd: list[str], timeout_s: float, **popen_kw: Any) -> tuple[int, list[int]]:
+    """Run `cmd` to its end (killed after `timeout_s`), noting every descendant it starts while
+    it runs (its children are not ours: once it exits they belong to init, so
+    wait_no_descendants cannot see them). Returns its exit status and the descendants still
+    alive 10 s after it exited (killed)."""
+    proc = subprocess.Popen(cmd, **popen_kw)
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(descendants(proc.pid))
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            seen.update(descendants(proc.pid))
+            proc.kill()
+        proc.wait(10)
+    grace = time.monotonic() + 10
+    while time.monotonic() < grace and any(pid_alive(p) for p in seen):
+        time.sleep(0.05)
+    left = [p for p in seen if pid_alive(p)]
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, left

@@ -115,3 +115,27 @@ def test_refusals_and_duplicate_ids() -> None:
     errs = {o.request_id: o.error for o in s.take_outputs()}
     assert "empty" in errs["empty"] and "KV cache blocks" in errs["huge"]
     assert not s.has_unfinished_requests()
+
+
+def test_finish_order_does_not_depend_on_the_workers_rows() -> None:
+    """Requests finishing in one step are freed in handle order whatever the order of the
+    output's rows (a worker's persistent batch reorders them): the free queue's LRU order and
+    the adapter slots' follow from the scheduler alone, as a trace replay assumes."""
+    states = []
+    for reverse in (False, True):
+        s = make_scheduler(block_size=4, enable_lora=True, max_loras=2)
+        w = FakeWorker(4)
+        for i, lora in enumerate((1, 2, 0)):
+            s.add_request(make_request(f"r{i}", [10 + i] * 9, max_tokens=2, lora=lora))
+        for _ in range(2):
+            so = s.schedule()
+            mo = w.step(so)
+            if reverse:
+                mo.req_handles = pack(unpack(mo.req_handles)[::-1])
+                mo.sampled_token_ids = pack(unpack(mo.sampled_token_ids)[::-1])
+            s.update_from_output(so, mo)
+        assert not s.running
+        pool = s.kv_cache_manager.block_pool
+        states.append(([b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+                       list(s.lora._idle)))  # type: ignore[union-attr]
+    assert states[0] == states[1]
