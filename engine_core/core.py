@@ -28,26 +28,19 @@ from engine_core.census import core_census
 from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
 from engine_core.handshake import build_scheduler, collect_hellos
+from engine_core.intake import request_from
 from engine_core.kv_connector.engine_side import KVConnectorEngine, attach_connector
-from engine_core.lora.registry import NOT_ENABLED, LoRARegistry
+from engine_core.lora.registry import LoRARegistry
 from engine_core.lora.registry import control as lora_control
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
 from engine_core.step_timeline import StepTimeline
-from engine_core.validation import (
-    job_fields,
-    validate_job,
-    validate_priority,
-    validate_prompt,
-    validate_sampling,
-)
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
-from protocol.codec import Encoder, ProtocolError, unpack
+from protocol.codec import Encoder, ProtocolError
 from protocol.config import EngineConfig
 from protocol.messages import (
     AbortRequests,
-    AddJobRequest,
     AddRequest,
     EngineDead,
     EngineOutputs,
@@ -348,43 +341,16 @@ class EngineCore:
                 self._send_frontend(result)
 
     def _add_request(self, msg: AddRequest) -> None:
-        job = msg.job if isinstance(msg, AddJobRequest) else None
-        try:
-            prompt = unpack(msg.prompt_token_ids)
-        except ProtocolError as e:
-            self._reject(msg.request_id, str(e))
-            return
         if msg.request_id in self.inflight:
             # Don't touch the first request: only the duplicate is refused.
             self._reject(msg.request_id, f"request id {msg.request_id!r} is already in flight")
             return
-        if msg.lora is not None and self.lora is None:
-            self._reject(msg.request_id, NOT_ENABLED)
-            return
-        err = (
-            (self.kv is None and msg.kv_transfer_params is not None
-             and "kv_transfer_params needs an engine started with --kv-transfer-config")
-            or validate_sampling(msg.sampling_params)
-            or validate_priority(msg.priority)
-            or validate_job(job)
-            or validate_prompt(prompt, self.vocab_size)
-        )
-        if err is not None:
-            self._reject(msg.request_id, err)
+        req = request_from(msg, self.vocab_size, self.eos_token_id,
+                           lora_enabled=self.lora is not None, kv_enabled=self.kv is not None)
+        if isinstance(req, str):
+            self._reject(msg.request_id, req)
             return
         self.inflight.add(msg.request_id)
-        req = Request(
-            msg.request_id,
-            prompt,
-            msg.sampling_params,
-            self.eos_token_id,
-            msg.arrival_time or time.time(),
-            priority=msg.priority,
-            cache_salt=msg.cache_salt,
-            kv_transfer_params=msg.kv_transfer_params,
-            lora=msg.lora,
-            **job_fields(job),
-        )
         if self.lora is not None and req.lora is not None:
             # held until every rank has its adapter (None), or refused (the reason)
             routed = self.lora.route(req)
