@@ -74,7 +74,6 @@ class Admission:
             )
         return None
 
-
     def _schedule_waiting(self, diff: StepDiff, budget: int) -> None:
         waiting = self.waiting
         running = self.running
