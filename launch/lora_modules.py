@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_core.lora.files import missing_file
 from protocol.lora import LoRARequest
+from protocol.lora_files import missing_file
 
 DEFAULT_MAX_LORA_RANK = 16
 

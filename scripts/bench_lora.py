@@ -35,8 +35,8 @@ from safetensors.torch import save_file  # noqa: E402
 from protocol.codec import pack  # noqa: E402
 from protocol.config import EngineConfig  # noqa: E402
 from protocol.lora import LoRARequest, LoRASlotOp, LoRAStep  # noqa: E402
+from protocol.lora_files import content_hash  # noqa: E402
 from protocol.messages import NewRequestData, SamplingParams, SchedulerOutput  # noqa: E402
-from workers.lora.content_hash import content_hash  # noqa: E402
 from workers.lora.peft_config import PROJECTIONS  # noqa: E402
 from workers.model.loader import load_model_config  # noqa: E402
 from workers.parallel.distributed import DistEnv  # noqa: E402

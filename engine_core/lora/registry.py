@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine_core.lora.files import content_hash, missing_file
 from engine_core.request import Request
 from protocol.lora import LoRARequest
+from protocol.lora_files import content_hash, missing_file
 from protocol.messages import (
     DropLoRA,
     LoadLoRA,

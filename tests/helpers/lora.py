@@ -10,8 +10,8 @@ import torch
 from protocol.codec import pack, unpack
 from protocol.config import EngineConfig
 from protocol.lora import LoRASlotOp, LoRAStep
+from protocol.lora_files import content_hash
 from protocol.messages import NewRequestData, SamplingParams, SchedulerOutput
-from workers.lora.content_hash import content_hash
 from workers.runner.model_runner import ModelRunner
 
 # 6 query / 3 KV heads and an odd intermediate size: at TP=2 a KV head, its query heads and

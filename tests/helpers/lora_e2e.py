@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from engine_core.lora.files import content_hash
 from launch.llm import LLM, _engine_config
 from launch.processes import free_port
+from protocol.lora_files import content_hash
 from tests.engine_core.fake_worker import lora_token, next_token
 from tests.helpers.procs import wait_no_descendants
 

@@ -24,9 +24,9 @@ import time
 import msgspec
 import zmq
 
-from engine_core.lora.files import content_hash
 from protocol.codec import Encoder, broadcast_decoder, pack, unpack
 from protocol.config import EngineConfig
+from protocol.lora_files import content_hash
 from protocol.messages import (
     DropLoRA,
     HealthPing,

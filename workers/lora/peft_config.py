@@ -22,7 +22,7 @@ import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from workers.lora.content_hash import CONFIG_NAME, WEIGHTS_NAME
+from protocol.lora_files import CONFIG_NAME, WEIGHTS_NAME
 
 # the projections LoRA may target, and the block each lives in (the HF module names)
 PROJECTIONS: dict[str, str] = {

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load as load_safetensors
 
-from workers.lora.content_hash import CONFIG_NAME, WEIGHTS_NAME, content_hash_of
+from protocol.lora_files import CONFIG_NAME, WEIGHTS_NAME, content_hash_of
 from workers.lora.peft_config import LoRAAdapterError, ModuleSpec, check_adapter, parse_header
 
 _LINEAR = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}

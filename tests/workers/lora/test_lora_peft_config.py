@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from workers.lora.content_hash import content_hash, content_hash_of
+from protocol.lora_files import content_hash, content_hash_of
 from workers.lora.peft_config import LoRAAdapterError, check_adapter, max_rank, parse_config
 
 P = "base_model.model.model.layers"
