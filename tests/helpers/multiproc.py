@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-import torch
+from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -22,14 +22,23 @@ def _free_port() -> int:
 def run_tp(tmp_dir: str, model: str, prompts: list[list[int]], world_size: int = 2,
            max_new: int = 0, eos: int | None = None, timeout_s: float = 120) -> list[dict]:
     """Start world_size ranks, wait for all (killing every one on timeout/failure), and return
-    each rank's results as saved by tp_run.py (tensors written by our own child: torch.load)."""
+    each rank's results as saved by tp_run.py: {"logits": [tensor per prompt], "generated",
+    "greedy"} (safetensors and JSON, never a pickle)."""
     out = os.path.join(tmp_dir, "tp_out")
     spec = os.path.join(tmp_dir, "spec.json")
     with open(spec, "w") as f:
         json.dump({"model": model, "prompts": prompts, "max_new": max_new, "eos": eos,
                    "out": out}, f)
     run_ranks(os.path.join(HERE, "tp_run.py"), [spec], world_size, timeout_s)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]
+    return [_load_rank(os.path.join(out, f"rank{r}")) for r in range(world_size)]
+
+
+def _load_rank(base: str) -> dict:
+    with open(base + ".json") as f:
+        result = json.load(f)
+    tensors = load_file(base + ".safetensors")
+    result["logits"] = [tensors[f"logits.{i}"] for i in range(result.pop("num_prompts"))]
+    return result
 
 
 def run_ranks(script: str, args: list[str], world_size: int, timeout_s: float) -> None:

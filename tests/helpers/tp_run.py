@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from tests.helpers.paged import Seq, build_step, greedy_generate, run_step  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
@@ -47,8 +48,12 @@ def main(spec_path: str) -> None:
     generated = [greedy_generate(model, p, max_new, bs, next_block, spec.get("eos"))
                  for p in prompts] if max_new else []
     os.makedirs(spec["out"], exist_ok=True)
-    torch.save({"logits": logits, "generated": generated, "greedy": greedy},
-               os.path.join(spec["out"], f"rank{env.rank}.pt"))
+    # tensors as safetensors and the rest as JSON: nothing the parent reads is unpickled
+    base = os.path.join(spec["out"], f"rank{env.rank}")
+    save_file({f"logits.{i}": t.contiguous() for i, t in enumerate(logits)},
+              base + ".safetensors")
+    with open(base + ".json", "w") as f:
+        json.dump({"generated": generated, "greedy": greedy, "num_prompts": len(logits)}, f)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
