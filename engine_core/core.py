@@ -227,8 +227,9 @@ class EngineCore:
         return len(self.scheduler.waiting) + len(self.grammars) + held_lora
 
     def _wait_frontend_or_workers(self, timeout_ms: int) -> None:
-        """Idle but for held grammars: wake on a frontend message or a rank's answer, so a
-        compiled grammar is admitted at once rather than at the next ping."""
+        """Idle but for held grammars, adapters being read or P/D transfers: wake on a
+        frontend message, a rank's answer, a lease message or a finished adapter hash, so what
+        it unblocks goes on at once rather than at the next ping."""
         poller = zmq.Poller()
         poller.register(self.frontend.req_sock, zmq.POLLIN)
         poller.register(self.link.results, zmq.POLLIN)
