@@ -56,6 +56,10 @@ logger = logging.getLogger("tandem.worker")
 # The engine core publishes a HealthPing at least every PING_INTERVAL_S while alive; a worker
 # that hears nothing for CORE_SILENCE_S decides the core is gone and exits (no orphans).
 CORE_SILENCE_S = 1.5
+# Until the core's first step or liveness ping (it builds its scheduler after the start-up sync,
+# a second or more with a large KV cache, and sends nothing meanwhile) the silence allowed is
+# this long; a dead parent is still noticed within POLL_MS.
+CORE_STARTUP_SILENCE_S = 60.0
 POLL_MS = 100
 # while a grammar compiles for the engine core, look for its end this often (a wake-up per
 # 10 ms, only then): the request it belongs to waits for the answer to be admitted
@@ -170,6 +174,7 @@ class Worker:
         """Serve until Shutdown, core silence or parent death. Returns the exit code."""
         parent = os.getppid()
         last_heard = time.monotonic()
+        silence_limit = CORE_STARTUP_SILENCE_S
         while True:
             timeout = GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS
             t0 = time.perf_counter()
@@ -190,7 +195,7 @@ class Worker:
                     logger.error("rank %d: parent process died; exiting", self.rank)
                     self.core_gone = True
                     return 1
-                if now - last_heard > CORE_SILENCE_S:
+                if now - last_heard > silence_limit:
                     logger.error(
                         "rank %d: no message from the engine core for %.1f s; exiting",
                         self.rank,
@@ -206,6 +211,8 @@ class Worker:
                 # A corrupt broadcast means this rank can no longer trust its state.
                 self.fail(f"bad broadcast frame: {e}", "")
                 return 1
+            if not (isinstance(msg, HealthPing) and msg.nonce < 0):
+                silence_limit = CORE_SILENCE_S  # the core is past its start-up
             if isinstance(msg, SchedulerOutput):
                 self.execute(msg)
             elif isinstance(msg, HealthPing):

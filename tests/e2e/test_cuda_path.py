@@ -36,15 +36,17 @@ def hf_case(tmp_path_factory: pytest.TempPathFactory):
 CASES = {
     "graphs": dict(),
     "eager": dict(enforce_eager=True),
+    # 31 usable blocks of 4 tokens hold the longest prompt's 102 tokens (the engine caps a
+    # request at the KV capacity) but not every request at once: preemption and chunks
     "graphs-pressure": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-                            num_gpu_blocks_override=24, debug_invariants=True),
+                            num_gpu_blocks_override=32, debug_invariants=True),
     "graphs-spec": dict(speculative_ngram=3, num_speculative_tokens=3),
     # async scheduling on CUDA overlaps each rank's host work with its device by default
     # (worker overlap): graphed and eager steps, and under KV pressure (preemption, chunks)
     "graphs-async": dict(async_scheduling=True),
     "eager-async": dict(async_scheduling=True, enforce_eager=True),
     "graphs-async-pressure": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-                                  num_gpu_blocks_override=24, debug_invariants=True,
+                                  num_gpu_blocks_override=32, debug_invariants=True,
                                   async_scheduling=True),
     "torch-backend": dict(attention_backend="torch", enforce_eager=True),
 }
@@ -83,7 +85,9 @@ def test_cuda_bf16_matches_transformers_bf16(hf_bf16_case, case: str) -> None:
     """Greedy tokens equal transformers' in bf16 up to the first step where transformers'
     own top-2 logits are closer than twice the tolerance (there a rounding difference may pick
     either, and the runs then rightly diverge); every compared token's logprob within
-    BF16_LOGPROB_TOL. Most prompts must be compared in full, so the check is not vacuous."""
+    BF16_LOGPROB_TOL. At least one token per prompt must be compared on average, so the check
+    is not vacuous (the tiny model's 256-token vocabulary has near-ties often: on CPU 14 of
+    its 48 steps come before a prompt's first one, and only 1 of 8 prompts has none)."""
     path, refs = hf_bf16_case
     params = SamplingParams(max_tokens=BF16_NEW, temperature=0.0, ignore_eos=True, logprobs=True)
     try:
@@ -93,7 +97,7 @@ def test_cuda_bf16_matches_transformers_bf16(hf_bf16_case, case: str) -> None:
     finally:
         left = wait_no_descendants(10)
     assert left == [], f"processes outlived the engine: {left}"
-    full = 0
+    compared = 0
     for i, (tokens, logprobs, gaps) in enumerate(refs):
         got, got_lp = outs[i].token_ids, outs[i].logprobs
         assert got_lp is not None
@@ -102,9 +106,8 @@ def test_cuda_bf16_matches_transformers_bf16(hf_bf16_case, case: str) -> None:
             if gaps[j] < 2 * BF16_LOGPROB_TOL:
                 break
             assert got[j] == want, f"prompt {i} step {j}: {got} vs {tokens}"
-        else:
-            full += 1
-    assert full >= len(refs) // 2, f"only {full} of {len(refs)} prompts compared in full"
+            compared += 1
+    assert compared >= len(refs), f"only {compared} tokens compared over {len(refs)} prompts"
 
 
 def test_cuda_auto_dtype_runs_real_shape_presets_in_bf16() -> None:

@@ -33,17 +33,26 @@ logger = logging.getLogger(__name__)
 
 
 def dummy_inputs(bucket: Bucket, tokens_per_req: int, num_groups: int,
-                 block_size: int) -> BatchInputs:
+                 block_size: int, max_blocks_per_req: int | None = None) -> BatchInputs:
     """The step a bucket is captured with: every token writes nowhere (slot -1) and every
     request sees only its own new tokens in the null block (block 0). Decode buckets: each
-    request has tokens_per_req tokens. Mixed buckets: one request holds all tokens but one per
-    other request."""
+    request has tokens_per_req tokens. Mixed buckets: the first requests hold as many tokens
+    as one request may (max_blocks_per_req blocks: a bucket can be wider than max_model_len),
+    the rest one each."""
     t, r = bucket.num_tokens, bucket.num_reqs
     if bucket.decode:
         counts = np.full(r, tokens_per_req, dtype=np.int32)
     else:
+        cap = t if max_blocks_per_req is None else max_blocks_per_req * block_size
         counts = np.ones(r, dtype=np.int32)
-        counts[0] = t - (r - 1)
+        extra = t - r  # tokens beyond one per request, poured into the first requests
+        for i in range(r):
+            take = min(extra, cap - 1)
+            counts[i] += take
+            extra -= take
+        if extra:
+            raise ValueError(f"bucket {bucket} holds more tokens than {r} requests of "
+                             f"{cap} tokens each")
     qsl = np.zeros(r + 1, dtype=np.int32)
     qsl[1:] = np.cumsum(counts)
     positions = np.concatenate([np.arange(c, dtype=np.int64) for c in counts])
@@ -56,7 +65,7 @@ def dummy_inputs(bucket: Bucket, tokens_per_req: int, num_groups: int,
         sample_rows=np.arange(r),
         # mixed: the longest query any step of this bucket can have, so the attention makes
         # the choices (query block width, no key split) that hold for all of them
-        max_query_len=int(counts.max()) if bucket.decode else t,
+        max_query_len=int(counts.max()) if bucket.decode else min(t, cap),
         max_seq_len=int(counts.max()),
         other_groups=[(slots.copy(), table.copy()) for _ in range(num_groups - 1)])
 
@@ -83,10 +92,15 @@ class CudaGraphRunner:
         pool = None
         buckets = sorted(self.plan.buckets(), key=lambda b: (b.num_tokens, b.num_reqs),
                          reverse=True)
+        max_cols = self.staging.block_table.max_cols
+        max_req_tokens = max_cols * self.block_size
         for bucket in buckets:
+            if not bucket.decode and bucket.num_tokens > bucket.num_reqs * max_req_tokens:
+                continue  # no step can have that many tokens: such steps do not exist
             ids, pos, meta = self.staging.stage(
                 dummy_inputs(bucket, self.plan.tokens_per_req, self.num_groups,
-                             self.block_size), for_graph=True)
+                             self.block_size, max_cols),
+                for_graph=True)
             # Warm-up outside the graph: compiles the Triton kernels for this shape and lets
             # cuBLAS and NCCL set up their workspaces.
             stream = torch.cuda.Stream(device)

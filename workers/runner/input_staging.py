@@ -72,6 +72,7 @@ class _StagedTable(_Pinned):
 
     def __init__(self, max_reqs: int, max_cols: int, device: torch.device):
         super().__init__((max_reqs * max_cols,), torch.int32, device)
+        self.max_cols = max_cols
         self.packed = torch.empty(max_reqs * max_cols, dtype=torch.int32, device=device)
         self.fixed = torch.empty((max_reqs, max_cols), dtype=torch.int32, device=device)
 

@@ -103,6 +103,13 @@ def graph_pool_bytes(peak_activation_bytes: int, profile_tokens: int, num_graphs
     return int(peak_activation_bytes * scale) + num_graphs * GRAPH_OVERHEAD_BYTES
 
 
+# The most KV blocks sized from gpu_memory_utilization: the engine core's block pool holds one
+# Python object per block (about 1.2 s and 150 MB per million to build), and a tiny model on a
+# large GPU would otherwise ask for tens of millions. Real-size models stay far below it (an 8B
+# Llama's 2 MiB blocks fill 140 GB with 70,000); the explicit overrides are not capped.
+MAX_AUTO_KV_BLOCKS = 1 << 20
+
+
 def plan_kv_cache(
     config: EngineConfig,
     *,
@@ -143,7 +150,12 @@ def plan_kv_cache(
     graphs = graph_bytes(peak) if graph_bytes is not None else 0
     kv = kv_bytes_from_utilization(total, config.gpu_memory_utilization, total - free_before,
                                    peak, sampler_bytes, graphs)
-    result = plan(max(kv, 0) // bytes_per_block, "gpu_memory_utilization", peak, total, graphs)
+    blocks = max(kv, 0) // bytes_per_block
+    if blocks > MAX_AUTO_KV_BLOCKS:
+        logger.info("KV cache capped at %d blocks (the memory left holds %d): the engine core "
+                    "keeps one Python object per block", MAX_AUTO_KV_BLOCKS, blocks)
+        blocks = MAX_AUTO_KV_BLOCKS
+    result = plan(blocks, "gpu_memory_utilization", peak, total, graphs)
     if result.num_blocks < 2:
         raise ValueError(
             f"no room for the KV cache: gpu_memory_utilization={config.gpu_memory_utilization} of "

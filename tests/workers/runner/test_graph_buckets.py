@@ -92,3 +92,13 @@ def test_capture_inputs_write_nowhere():
         assert (d.block_table == 0).all() and d.query_start_loc[-1] == b.num_tokens
         # mixed graphs are captured with wide query blocks (any query length fits them)
         assert d.max_query_len == (2 if b.decode else b.num_tokens)
+
+
+def test_capture_inputs_respect_the_longest_request():
+    # a mixed bucket wider than max_model_len: no dummy request may need more table columns
+    # than the staged block table has (the capture's reshape failed on it)
+    plan = GraphPlan(max_num_seqs=8, tokens_per_req=1, max_tokens=256)
+    for b in plan.buckets():
+        d = dummy_inputs(b, 1, num_groups=1, block_size=16, max_blocks_per_req=3)
+        assert d.block_table.shape[1] <= 3 and int(d.seq_lens.max()) <= 48
+        assert d.query_start_loc[-1] == b.num_tokens and d.max_query_len <= 48
