@@ -85,9 +85,10 @@ class EngineClient:
         self.ready_event = threading.Event()
         self.dead_reason: str | None = None
         self.replies: queue.Queue[msgspec.Struct] = queue.Queue()
-        # callers waiting for a LoRAResult, by adapter name, oldest first (answers come in
-        # the order the engine got the asks)
-        self._lora_waiters: dict[str, list[queue.Queue[LoRAResult]]] = {}
+        # callers waiting for a LoRAResult, by the call id their ask carried (an answer
+        # whose caller gave up finds no box and is dropped)
+        self._lora_waiters: dict[int, queue.Queue[LoRAResult]] = {}
+        self._lora_calls = itertools.count(1)
         self.admission = QueueBound(max_queued_requests)
         self._health_nonces: set[int] = set()  # health calls waiting for their report
         self._ids = itertools.count()
@@ -186,18 +187,21 @@ class EngineClient:
         err = identity_error(lora)
         if err is not None:
             return LoRAResult(lora_name=lora.lora_name, error=err)
-        return self._lora_call(lora.lora_name, LoadLoRA(lora), timeout_s)
+        call_id = next(self._lora_calls)
+        return self._lora_call(lora.lora_name, call_id, LoadLoRA(lora, call_id), timeout_s)
 
     def unload_lora(self, lora_name: str, timeout_s: float = 30.0) -> LoRAResult:
         """Forget an adapter (refused with ``in_use`` while requests use it)."""
-        return self._lora_call(lora_name, UnloadLoRA(lora_name), timeout_s)
+        call_id = next(self._lora_calls)
+        return self._lora_call(lora_name, call_id, UnloadLoRA(lora_name, call_id), timeout_s)
 
-    def _lora_call(self, name: str, msg: msgspec.Struct, timeout_s: float) -> LoRAResult:
+    def _lora_call(self, name: str, call_id: int, msg: msgspec.Struct,
+                   timeout_s: float) -> LoRAResult:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         box: queue.Queue[LoRAResult] = queue.Queue()
         with self.tracked_lock:
-            self._lora_waiters.setdefault(name, []).append(box)
+            self._lora_waiters[call_id] = box
         try:
             self._send(msg)
             deadline = time.monotonic() + timeout_s
@@ -213,11 +217,7 @@ class EngineClient:
                             f"{timeout_s} s") from None
         finally:
             with self.tracked_lock:
-                boxes = self._lora_waiters.get(name, [])
-                if box in boxes:
-                    boxes.remove(box)
-                if not boxes:
-                    self._lora_waiters.pop(name, None)
+                self._lora_waiters.pop(call_id, None)
 
     def _reply(self, kind: type, timeout_s: float,  # type: ignore[no-untyped-def]
                match: Callable[[Any], bool] | None = None):
@@ -266,9 +266,9 @@ class EngineClient:
                 self.mark_dead(msg.reason)
             elif isinstance(msg, LoRAResult):
                 with self.tracked_lock:
-                    boxes = self._lora_waiters.get(msg.lora_name)
-                    if boxes:
-                        boxes.pop(0).put(msg)
+                    box = self._lora_waiters.get(msg.call_id)
+                if box is not None:
+                    box.put(msg)
             else:
                 self.replies.put(msg)
 
@@ -290,7 +290,9 @@ class EngineClient:
         """This object's maps that grow with client input (launch/census.py)."""
         with self.tracked_lock:
             tracked = len(self.tracked)
+            lora_calls = len(self._lora_waiters)
         return {"client.tracked": tracked, "client.replies": self.replies.qsize(),
+                "client.lora_calls": lora_calls,
                 **self.admission.census()}
 
     def _finish_locally(self, tr: Tracked, reason: str) -> None:

@@ -106,15 +106,19 @@ class AbortRequests(msgspec.Struct, array_like=True, tag=2):
 
 class LoadLoRA(msgspec.Struct, array_like=True, tag=7):
     """Register an adapter now (start-up ``--lora-modules``, the HTTP load endpoint); the
-    engine answers LoRAResult once every rank has read and checked it."""
+    engine answers LoRAResult once every rank has read and checked it. ``call_id``: the
+    frontend's name for this call, echoed in the answer (a caller that gave up on its answer
+    must not receive the next caller's)."""
 
     lora: LoRARequest
+    call_id: int = 0
 
 
 class UnloadLoRA(msgspec.Struct, array_like=True, tag=8):
     """Forget an adapter by name; refused (LoRAResult.in_use) while requests use it."""
 
     lora_name: str
+    call_id: int = 0
 
 
 class HealthRequest(msgspec.Struct, array_like=True, tag=3):
@@ -217,6 +221,7 @@ class LoRAResult(msgspec.Struct, array_like=True, tag=16, kw_only=True):
     error: str = ""
     in_use: bool = False
     not_found: bool = False
+    call_id: int = 0  # the LoadLoRA / UnloadLoRA's
 
 
 EngineMessage = (

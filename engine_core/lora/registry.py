@@ -61,7 +61,7 @@ class _Adapter:
     content_hash: str = ""
     ready: set[int] = field(default_factory=set)  # ranks that answered LoRAReady
     held: list[Request] = field(default_factory=list)  # requests waiting for READY
-    loads: int = 0  # LoadLoRA answers owed
+    loads: list[int] = field(default_factory=list)  # call ids of the LoadLoRA answers owed
 
 
 class LoRARegistry:
@@ -118,15 +118,15 @@ class LoRARegistry:
         self._held_ids[req.request_id] = req.lora_int_id
         return None
 
-    def load(self, lora: LoRARequest) -> None:
+    def load(self, lora: LoRARequest, call_id: int = 0) -> None:
         """LoadLoRA: answered in ``results``, now or once every rank has it."""
         a = self._find_or_register(lora)
         if isinstance(a, str):
-            self.results.append(LoRAResult(lora_name=lora.lora_name, error=a))
+            self.results.append(LoRAResult(lora_name=lora.lora_name, error=a, call_id=call_id))
         elif a.state is State.READY:
-            self.results.append(LoRAResult(lora_name=lora.lora_name))
+            self.results.append(LoRAResult(lora_name=lora.lora_name, call_id=call_id))
         else:
-            a.loads += 1
+            a.loads.append(call_id)
 
     def _find_or_register(self, lora: LoRARequest) -> _Adapter | str:
         err = identity_error(lora)
@@ -233,14 +233,15 @@ class LoRARegistry:
         for req in go:
             del self._held_ids[req.request_id]
             req.lora_hash = a.content_hash
-        self.results += [LoRAResult(lora_name=a.lora.lora_name)] * a.loads
-        a.loads = 0
+        self.results += [LoRAResult(lora_name=a.lora.lora_name, call_id=c) for c in a.loads]
+        a.loads = []
         return go, []
 
     def _fail(self, a: _Adapter, message: str) -> list[RequestOutput]:
         del self._by_id[a.lora.lora_int_id]
         del self._by_name[a.lora.lora_name]
-        self.results += [LoRAResult(lora_name=a.lora.lora_name, error=message)] * a.loads
+        self.results += [LoRAResult(lora_name=a.lora.lora_name, error=message, call_id=c)
+                         for c in a.loads]
         outs = []
         for req in a.held:
             del self._held_ids[req.request_id]
@@ -262,21 +263,22 @@ class LoRARegistry:
 
     # ------------------------------------------------------------------ unload
 
-    def unload(self, name: str, users: Iterable[Request], slots: LoRASlots | None) -> LoRAResult:
+    def unload(self, name: str, users: Iterable[Request], slots: LoRASlots | None,
+               call_id: int = 0) -> LoRAResult:
         """UnloadLoRA: refused while a request (``users``: the scheduler's and the grammar
         gate's, besides the ones held here) uses it; else forget it and empty its slot. The
         ranks are told (DropLoRA) after the step that empties the slot, if it had one."""
         lid = self._by_name.get(name)
         if lid is None:
-            return LoRAResult(lora_name=name, error=f"LoRA adapter {name!r} is not loaded",
-                              not_found=True)
+            return LoRAResult(lora_name=name, call_id=call_id, not_found=True,
+                              error=f"LoRA adapter {name!r} is not loaded")
         a = self._by_id[lid]
         if a.state is not State.READY:
-            return LoRAResult(lora_name=name, in_use=True,
+            return LoRAResult(lora_name=name, call_id=call_id, in_use=True,
                               error=f"LoRA adapter {name!r} is still being loaded")
         n = len(a.held) + sum(1 for r in users if r.lora_int_id == lid)
         if n:
-            return LoRAResult(lora_name=name, in_use=True,
+            return LoRAResult(lora_name=name, call_id=call_id, in_use=True,
                               error=f"LoRA adapter {name!r} is in use by {n} request(s)")
         del self._by_id[lid]
         del self._by_name[name]
@@ -284,7 +286,7 @@ class LoRARegistry:
             self._drops.append(lid)
         else:
             self._publish(DropLoRA(lid))
-        return LoRAResult(lora_name=name)
+        return LoRAResult(lora_name=name, call_id=call_id)
 
     def after_publish(self) -> None:
         """A step was published: the slots it empties are empty on every rank by the time the
@@ -314,12 +316,14 @@ def control(
     adapter (the scheduler's, the grammar gate's)."""
     if isinstance(msg, LoadLoRA):
         if registry is None:
-            return LoRAResult(lora_name=msg.lora.lora_name, error=NOT_ENABLED)
-        registry.load(msg.lora)
+            return LoRAResult(lora_name=msg.lora.lora_name, error=NOT_ENABLED,
+                              call_id=msg.call_id)
+        registry.load(msg.lora, msg.call_id)
         return None
     if registry is None:
-        return LoRAResult(lora_name=msg.lora_name, error=NOT_ENABLED, not_found=True)
-    return registry.unload(msg.lora_name, users(), slots)
+        return LoRAResult(lora_name=msg.lora_name, error=NOT_ENABLED, not_found=True,
+                          call_id=msg.call_id)
+    return registry.unload(msg.lora_name, users(), slots, msg.call_id)
 
 
 def identity_error(lora: LoRARequest) -> str | None:
