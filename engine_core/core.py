@@ -37,7 +37,7 @@ from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
 from engine_core.step_timeline import StepTimeline
 from engine_core.worker_link import PING_INTERVAL_S, EngineFatal, WorkerLink
-from protocol.codec import Encoder, ProtocolError
+from protocol.codec import Encoder, ProtocolError, request_id_of
 from protocol.config import EngineConfig
 from protocol.messages import (
     AbortRequests,
@@ -307,8 +307,14 @@ class EngineCore:
         try:
             msg = self.frontend.decode(frame)
         except ProtocolError as e:
-            # One bad frame must not bring the engine down: report it and go on.
-            logger.warning("dropped a bad frontend frame: %s", e)
+            # One bad frame must not bring the engine down. When it names a request, that
+            # request fails with the reason (its sender waits for an answer); an id already in
+            # flight is another request's and is left alone.
+            rid = request_id_of(frame) if len(frame) <= self.config.max_frame_bytes else None
+            if rid is not None and rid not in self.inflight:
+                self._reject(rid, f"the engine could not decode this request: {e}")
+            else:
+                logger.warning("dropped a bad frontend frame: %s", e)
             return
         if isinstance(msg, AddRequest):
             self._add_request(msg)

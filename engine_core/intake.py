@@ -13,9 +13,11 @@ from engine_core.lora.registry import NOT_ENABLED
 from engine_core.request import Request
 from engine_core.validation import (
     job_fields,
+    validate_cache_salt,
     validate_job,
     validate_priority,
     validate_prompt,
+    validate_request_id,
     validate_sampling,
 )
 from protocol.codec import ProtocolError, unpack
@@ -33,7 +35,9 @@ def request_from(msg: AddRequest, vocab_size: int, eos_token_id: int | None, *,
     if msg.lora is not None and not lora_enabled:
         return NOT_ENABLED
     err = (
-        (not kv_enabled and msg.kv_transfer_params is not None
+        validate_request_id(msg.request_id)
+        or validate_cache_salt(msg.cache_salt)
+        or (not kv_enabled and msg.kv_transfer_params is not None
          and "kv_transfer_params needs an engine started with --kv-transfer-config")
         or validate_sampling(msg.sampling_params)
         or validate_priority(msg.priority)

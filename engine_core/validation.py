@@ -88,6 +88,29 @@ def validate_priority(priority: object) -> str | None:
     return None
 
 
+# A request id names its request in logs, outputs and (P/D) peer messages: printable text of
+# bounded length. The HTTP server takes ids of up to 256 characters and adds a choice suffix.
+MAX_REQUEST_ID_CHARS = 512
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def validate_request_id(request_id: object) -> str | None:
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        n = len(request_id) if isinstance(request_id, str) else type(request_id).__name__
+        return f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {n}"
+    if not request_id.isprintable():
+        return "request_id must be printable text (no control characters)"
+    return None
+
+
+def validate_cache_salt(salt: object) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
+        return f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters"
+    return None
+
+
 MAX_JOB_FIELD_BYTES = 256
 
 

@@ -22,10 +22,16 @@ import msgspec
 import zmq
 
 from engine_core.lora.registry import identity_error
-from engine_core.validation import validate_job, validate_priority, validate_sampling
+from engine_core.validation import (
+    validate_cache_salt,
+    validate_job,
+    validate_priority,
+    validate_request_id,
+    validate_sampling,
+)
 from launch.admission import QueueBound, Ticket
+from launch.request_options import NO_OPTIONS, RequestOptions
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
-from protocol.kv_connector import KVTransferParams
 from protocol.lora import LoRARequest
 from protocol.messages import (
     AbortRequests,
@@ -37,7 +43,6 @@ from protocol.messages import (
     EngineStats,
     HealthReport,
     HealthRequest,
-    JobInfo,
     LoadLoRA,
     LoRAResult,
     ProfileRequest,
@@ -114,11 +119,7 @@ class EngineClient:
         params: SamplingParams,
         sink: Sink,
         index: int = 0,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        job: JobInfo | None = None,
-        kv_transfer_params: KVTransferParams | None = None,
-        lora: LoRARequest | None = None,
+        options: RequestOptions = NO_OPTIONS,
         ticket: Ticket | None = None,
     ) -> Tracked:
         """Send one request. `ticket`: a slot held for it under the queue bound; without one,
@@ -128,9 +129,7 @@ class EngineClient:
         if ticket is None:
             with self.admission.reserve(1) as own:
                 return self.add_request(request_id, prompt_token_ids, params, sink, index,
-                                        priority, cache_salt, job,
-                                        kv_transfer_params=kv_transfer_params, lora=lora,
-                                        ticket=own)
+                                        options, own)
         now = time.time()
         tr = Tracked(request_id, index, sink, now, list(prompt_token_ids))
         with self.tracked_lock:
@@ -139,9 +138,11 @@ class EngineClient:
             self.tracked[request_id] = tr
         # the engine core's own checks, first here: a value msgpack cannot carry (an int past
         # 64 bits) would otherwise raise in the encoder instead of failing this request
-        err = validate_sampling(params) or validate_priority(priority) or validate_job(job)
-        if err is None and lora is not None:
-            err = identity_error(lora)
+        err = (validate_request_id(request_id) or validate_sampling(params)
+               or validate_priority(options.priority) or validate_job(options.job)
+               or validate_cache_salt(options.cache_salt))
+        if err is None and options.lora is not None:
+            err = identity_error(options.lora)
         if err is not None:
             self._finish_locally(tr, err)
             return tr
@@ -151,8 +152,10 @@ class EngineClient:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
         fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
-                      priority=priority, cache_salt=cache_salt, arrival_time=now, lora=lora,
-                      kv_transfer_params=kv_transfer_params)
+                      priority=options.priority, cache_salt=options.cache_salt,
+                      arrival_time=now, lora=options.lora,
+                      kv_transfer_params=options.kv_transfer_params)
+        job = options.job
         self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job),
                    ticket)
         return tr

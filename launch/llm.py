@@ -12,8 +12,7 @@ import msgspec
 
 from launch.census import Census, assemble
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
-from launch.jobs import job_infos
-from launch.lora_modules import LoRAArg, per_prompt_loras, resolve_lora_options
+from launch.lora_modules import LoRAArg, resolve_lora_options
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
     ProcessGroup,
@@ -24,10 +23,11 @@ from launch.processes import (
 from launch.processes import (
     start_workers as start_local_workers,
 )
+from launch.request_options import RequestOptions, per_prompt_options
 from protocol.config import EngineConfig, config_error
-from protocol.kv_connector import KVTransferConfig, KVTransferParams, with_engine_id
+from protocol.kv_connector import KVTransferParams, parse_kv_transfer_config, with_engine_id
 from protocol.lora import LoRARequest
-from protocol.messages import HealthReport, JobInfo, SamplingParams
+from protocol.messages import HealthReport, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
 
@@ -42,12 +42,9 @@ def _engine_config(model: str, tensor_parallel_size: int, options: dict[str, Any
         raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(ENGINE_OPTIONS)}")
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    if isinstance(options.get("kv_transfer_config"), dict):  # vLLM's form: a dict
-        try:
-            options["kv_transfer_config"] = msgspec.convert(options["kv_transfer_config"],
-                                                            KVTransferConfig)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"kv_transfer_config: {e}") from None
+    if options.get("kv_transfer_config") is not None:  # the flag's JSON, vLLM's dict, or ours
+        options["kv_transfer_config"] = parse_kv_transfer_config(
+            options["kv_transfer_config"], "kv_transfer_config")
     options = resolve_lora_options(options)  # the default max_lora_rank, module ids
     config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **options)
     err = config_error(config)
@@ -237,14 +234,9 @@ class LLM:
         prompts: Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         sink: Sink,
-        priority: Sequence[int] | None,
-        cache_salt: str | None,
-        jobs: Sequence[JobInfo | None] | None = None,
-        kv_params: Sequence[KVTransferParams | None] | None = None,
-        lora_request: LoRAArg = None,
+        options: Sequence[RequestOptions],
     ) -> list[RequestOutput]:
         client = self._client()
-        loras = per_prompt_loras(lora_request, len(prompts), self.config.enable_lora)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -267,22 +259,10 @@ class LLM:
                     e.__traceback__ = None
                     raise
             results: list[RequestOutput] = []
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            for i, (p, sp, opts) in enumerate(zip(prompts, params, options, strict=True)):
                 ids = self.encode(p)
                 rid = client.new_request_id()
-                tr = client.add_request(
-                    rid,
-                    ids,
-                    sp,
-                    sink,
-                    index=i,
-                    priority=priority[i] if priority else 0,
-                    cache_salt=cache_salt,
-                    job=jobs[i] if jobs else None,
-                    lora=loras[i],
-                    kv_transfer_params=kv_params[i] if kv_params else None,
-                    ticket=ticket,
-                )
+                tr = client.add_request(rid, ids, sp, sink, index=i, options=opts, ticket=ticket)
                 results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
         return results
 
@@ -310,9 +290,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        timeout_s: float | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
-        timeout_s: float | None = None,
         job_id: str | Sequence[str | None] | None = None,
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
@@ -321,23 +301,22 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
+        priority (one per prompt): for --scheduling-policy priority; cache_salt: prefix-cache
+        isolation (only requests with the same salt share cached blocks).
         job_id / is_last_step / tool_name (one value, or one per prompt): the agent program
         each prompt is a turn of, for --scheduling-policy continuum (see README).
         kv_transfer_params (one, or one per prompt): disaggregated prefill / decode, as in
         vLLM; a prefill's answer is in each output's ``kv_transfer_params``.
         lora_request: a LoRARequest(name, int_id, path) for every prompt, or one (or None,
         the base model) per prompt; needs enable_lora=True."""
+        options = self._options(
+            len(_as_list(prompts)), priority=priority, cache_salt=cache_salt, job_id=job_id,
+            is_last_step=is_last_step, tool_name=tool_name,
+            kv_transfer_params=kv_transfer_params, lora_request=lora_request)
         results: list[RequestOutput] = []
         bar = None
-        n = len(_as_list(prompts))
-        jobs = job_infos(n, job_id, is_last_step, tool_name)
-        kv = ([kv_transfer_params] * n if isinstance(kv_transfer_params, KVTransferParams)
-              else kv_transfer_params)
         try:
-            for results, _, out in self._events(
-                prompts, sampling_params, priority, cache_salt, timeout_s, jobs, kv,
-                lora_request
-            ):
+            for results, _, out in self._events(prompts, sampling_params, options, timeout_s):
                 if bar is None and use_tqdm and len(results) > 1:
                     bar = _progress(len(results))
                 if out.finish_reason is not None and bar is not None:
@@ -355,23 +334,26 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        timeout_s: float | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
-        timeout_s: float | None = None,
         job_id: str | Sequence[str | None] | None = None,
         is_last_step: bool | Sequence[bool] = False,
         tool_name: str | Sequence[str | None] | None = None,
+        kv_transfer_params: KVTransferParams | Sequence[KVTransferParams | None] | None = None,
         lora_request: LoRAArg = None,
     ) -> Iterator[StreamEvent]:
-        """Yield new tokens (and text deltas) of every prompt as they are generated.
+        """Yield new tokens (and text deltas) of every prompt as they are generated; the
+        request options are generate()'s.
 
         Closing the iterator early aborts the requests still running.
         """
+        options = self._options(
+            len(_as_list(prompts)), priority=priority, cache_salt=cache_salt, job_id=job_id,
+            is_last_step=is_last_step, tool_name=tool_name,
+            kv_transfer_params=kv_transfer_params, lora_request=lora_request)
         detoks: list[Any] | None = None
-        jobs = job_infos(len(_as_list(prompts)), job_id, is_last_step, tool_name)
-        for results, tr, out in self._events(
-            prompts, sampling_params, priority, cache_salt, timeout_s, jobs, lora_request
-        ):
+        for results, tr, out in self._events(prompts, sampling_params, options, timeout_s):
             if detoks is None:
                 detoks = self._detokenizers(results)
             delta = detoks[tr.index].add(out.new_token_ids) if detoks else None
@@ -387,16 +369,17 @@ class LLM:
                 out.error,
             )
 
+    def _options(self, n: int, **keywords: Any) -> list[RequestOptions]:
+        """generate()'s and generate_stream()'s request keywords, one RequestOptions per
+        prompt (both pass every keyword by name, so neither can drop or misplace one)."""
+        return per_prompt_options(n, lora_enabled=self.config.enable_lora, **keywords)
+
     def _events(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        priority: Sequence[int] | None,
-        cache_salt: str | None,
+        options: Sequence[RequestOptions],
         timeout_s: float | None,
-        jobs: list[JobInfo | None] | None = None,
-        kv_params: Sequence[KVTransferParams | None] | None = None,
-        lora_request: LoRAArg = None,
     ) -> Iterator[tuple[list[RequestOutput], Tracked, WireOutput]]:
         """The one receive loop behind generate() and generate_stream().
 
@@ -404,8 +387,7 @@ class LLM:
         on an error or an early close, aborts whatever is still running.
         """
         sink: Sink = queue.Queue()
-        results = self._submit(_as_list(prompts), sampling_params, sink, priority, cache_salt,
-                               jobs, kv_params, lora_request)
+        results = self._submit(_as_list(prompts), sampling_params, sink, options)
         pending = len(results)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:

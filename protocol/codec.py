@@ -13,6 +13,8 @@ import msgspec
 
 from protocol.messages import (
     PROTOCOL_VERSION,
+    AddJobRequest,
+    AddRequest,
     EngineMessage,
     FrontendMessage,
     WorkerBroadcast,
@@ -37,7 +39,7 @@ T = TypeVar("T")
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "HEADER", "MAGIC", "Decoder", "Encoder", "ProtocolError",
     "broadcast_decoder", "engine_decoder", "frontend_decoder", "pack", "pack_f32",
-    "packed_layout", "unpack", "unpack_f32", "unpack_np", "worker_decoder",
+    "packed_layout", "request_id_of", "unpack", "unpack_f32", "unpack_np", "worker_decoder",
 ]
 
 class Encoder:
@@ -96,3 +98,30 @@ def broadcast_decoder(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Decoder
 
 def worker_decoder(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Decoder[WorkerMessage]:
     return Decoder(WorkerMessage, max_frame_bytes)
+
+
+# The head of an AddRequest / AddJobRequest: its tag and request id, the rest ignored. When a
+# frame fails to decode as a whole, this names the request it meant to send, so the sender is
+# answered with an error rather than left waiting for a request the engine dropped.
+class _AddHead(msgspec.Struct, array_like=True, tag=AddRequest.__struct_config__.tag):
+    request_id: str
+
+
+class _AddJobHead(msgspec.Struct, array_like=True, tag=AddJobRequest.__struct_config__.tag):
+    request_id: str
+
+
+_HEADS = msgspec.msgpack.Decoder(_AddHead | _AddJobHead)
+
+
+def request_id_of(frame: bytes | memoryview) -> str | None:
+    """The request id of a frame that meant to carry an AddRequest (None when it did not, or
+    when even that cannot be read). Call only for a frame the full decoder refused: this one
+    checks the header but nothing past the id."""
+    if len(frame) < 3 or frame[0] != MAGIC or frame[1] != PROTOCOL_VERSION:
+        return None
+    try:
+        return _HEADS.decode(memoryview(frame)[2:]).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError,
+            MemoryError, OverflowError):
+        return None

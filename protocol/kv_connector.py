@@ -17,6 +17,8 @@ The KV itself goes worker to worker (workers/kv_connector/, messages in protocol
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from protocol.packing import ProtocolError, unpack
@@ -94,12 +96,22 @@ def with_engine_id(c: KVTransferConfig) -> KVTransferConfig:
     return msgspec.structs.replace(c, engine_id=uuid.uuid4().hex)
 
 
-def parse_kv_transfer_config(text: str) -> KVTransferConfig:
-    """The flag's JSON; ValueError naming the bad key."""
+def parse_kv_transfer_config(value: str | dict[str, Any] | KVTransferConfig,
+                             name: str = "--kv-transfer-config") -> KVTransferConfig:
+    """The config in any of its forms (the flag's JSON string, vLLM's dict, the struct);
+    ValueError naming the bad key."""
     try:
-        cfg = msgspec.json.decode(text.encode(), type=KVTransferConfig)
+        if isinstance(value, KVTransferConfig):
+            cfg = value
+        elif isinstance(value, str):
+            cfg = msgspec.json.decode(value.encode(), type=KVTransferConfig)
+        elif isinstance(value, dict):
+            cfg = msgspec.convert(value, KVTransferConfig)
+        else:
+            raise ValueError(f"{name}: expected a JSON string, a dict or a KVTransferConfig, "
+                             f"got {type(value).__name__}")
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ValueError(f"--kv-transfer-config: {e}") from None
+        raise ValueError(f"{name}: {e}") from None
     err = kv_transfer_config_error(cfg)
     if err is not None:
         raise ValueError(err)

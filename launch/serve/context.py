@@ -153,6 +153,7 @@ class ServerContext:
             job_infos(1, req.job_id, req.is_last_step, req.tool_name),
             kv_transfer_params=request_kv_params(req.kv_transfer_params, len(prompts) * req.n),
             lora=lora,
+            cache_salt=req.cache_salt,
         )
         # responses name the adapter that answered (vLLM's), else the base model
         gen.model_name = req.model if lora is not None else self.model_name

@@ -17,9 +17,8 @@ from typing import Any
 from launch.admission import Ticket
 from launch.client import Delivery, EngineClient, EngineDeadError
 from launch.llm import LLM
-from protocol.kv_connector import KVTransferParams
-from protocol.lora import LoRARequest
-from protocol.messages import HealthReport, JobInfo, SamplingParams
+from launch.request_options import NO_OPTIONS, RequestOptions
+from protocol.messages import HealthReport, SamplingParams
 from protocol.messages import RequestOutput as WireOutput
 
 # What a request's queue receives: (choice index, output, engine timestamp).
@@ -75,10 +74,7 @@ class AsyncEngine:
         params: SamplingParams,
         queue: asyncio.Queue[Event],
         index: int,
-        priority: int = 0,
-        job: JobInfo | None = None,
-        kv_transfer_params: KVTransferParams | None = None,
-        lora: LoRARequest | None = None,
+        options: RequestOptions = NO_OPTIONS,
         ticket: Ticket | None = None,
     ) -> float:
         """Send one request; its outputs go to `queue` tagged with `index`. Returns the
@@ -95,10 +91,7 @@ class AsyncEngine:
                 params,
                 self._sink,  # type: ignore[arg-type]  # duck-typed: only put() is called
                 index=index,
-                priority=priority,
-                job=job,
-                kv_transfer_params=kv_transfer_params,
-                lora=lora,
+                options=options,
                 ticket=ticket,
             )
         except BaseException:

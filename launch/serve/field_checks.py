@@ -123,3 +123,6 @@ def check_request_id(request_id: str | None) -> None:
     if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
         raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got "
                           f"{len(request_id)}", "request_id")
+    if request_id is not None and not request_id.isprintable():
+        raise bad_request("request_id must be printable text (no control characters)",
+                          "request_id")

@@ -17,6 +17,7 @@ from typing import Any
 from engine_core.validation import (
     derived_seed,
     sampling_error,
+    validate_cache_salt,
     validate_job,
     validate_priority,
     validate_prompt,
@@ -24,6 +25,7 @@ from engine_core.validation import (
 from launch.admission import QueueFullError, Ticket
 from launch.client import EngineDeadError
 from launch.detokenizer import IncrementalDetokenizer
+from launch.request_options import RequestOptions
 from launch.serve.engine import AsyncEngine, Event
 from launch.serve.errors import APIError, bad_request, overloaded
 from launch.serve.metrics import ServerMetrics
@@ -93,6 +95,7 @@ class Generation:
         jobs: list[JobInfo | None] | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         lora: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.engine = engine
         self.kv_transfer_params = kv_transfer_params  # one prompt, n = 1 (kv_params.py)
@@ -113,6 +116,8 @@ class Generation:
                 rid = base_id if len(prompts) * n == 1 else f"{base_id}-{i}"
                 self.choices.append(Choice(i, rid, ids, None, StopChecker(stops, include_stop_str)))
         self.n = n
+        self.options = RequestOptions(priority=priority, cache_salt=cache_salt, job=self.job,
+                                      kv_transfer_params=kv_transfer_params, lora=lora)
         self._unfinished = len(self.choices)
         self.answered = False  # set once the whole response (or its error) is written
         self._got_token = False
@@ -131,6 +136,9 @@ class Generation:
         reason = validate_job(self.job)
         if reason is not None:
             raise bad_request(reason, "job_id")
+        reason = validate_cache_salt(self.options.cache_salt)
+        if reason is not None:
+            raise bad_request(reason, "cache_salt")
         seen: set[int] = set()
         for c in self.choices:
             if id(c.prompt_ids) in seen:
@@ -168,10 +176,8 @@ class Generation:
                 # n samples of one seeded request differ from each other but reproduce
                 params = _with_seed(params, derived_seed(params.seed, c.index % self.n))
             try:
-                c.arrival = self.engine.submit(
-                    c.request_id, c.prompt_ids, params, self.queue, c.index, self.priority,
-                    self.job, self.kv_transfer_params, self.lora, ticket,
-                )
+                c.arrival = self.engine.submit(c.request_id, c.prompt_ids, params, self.queue,
+                                               c.index, self.options, ticket)
                 c.submitted = True
             except QueueFullError as e:
                 self.abort()

@@ -42,6 +42,8 @@ class SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     priority: int = 0
     request_id: str | None = None
+    # prefix-cache isolation, vLLM's field: only requests with the same salt share blocks
+    cache_salt: str | None = Field(default=None, strict=True)
     return_token_ids: bool = False  # vLLM extension: token ids next to the text of each choice
     logit_bias: dict[str, float] | None = None  # typed so it is checked, not ignored
     # the agent job this request is a turn of (--scheduling-policy continuum); strict, so a

@@ -215,3 +215,30 @@ def test_abort_and_resubmit_in_one_burst_is_accepted(llm: LLM) -> None:
     while llm.health().num_running:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("rid", ["\x00kv-held:victim#1", "a" * 600, "two\nlines", ""])
+def test_bad_request_ids_are_refused_by_frontend_and_core(llm: LLM, rid: str) -> None:
+    """Request ids are printable and bounded: the frontend refuses a bad one before sending,
+    and the engine core refuses it again when a raw frame brings it (it never reaches a table
+    keyed by request ids)."""
+    client = llm.client
+    assert client is not None
+    sink = _sink()
+    client.add_request(rid, [1, 2], GOOD, sink)
+    reason, tokens, err = _finish(sink)
+    assert reason == "error" and not tokens and "request_id" in (err or "")
+    # the same id straight to the engine core, past the frontend's check
+    from launch.client import Tracked
+
+    core_sink = _sink()
+    with client.tracked_lock:
+        client.tracked[rid] = Tracked(rid, 0, core_sink, 0.0)
+    frame = Encoder().encode(AddRequest(request_id=rid, prompt_token_ids=pack([1, 2]),
+                                        sampling_params=GOOD))
+    with client.send_lock:
+        client.push.send(frame)
+    reason, tokens, err = _finish(core_sink)
+    assert reason == "error" and not tokens and "request_id" in (err or "")
+    out = llm.generate([[1, 2, 3]], GOOD, use_tqdm=False, timeout_s=60)
+    assert out[0].finish_reason == "length"

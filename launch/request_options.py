@@ -1,0 +1,63 @@
+"""The options of one request besides its prompt and sampling parameters, as one value.
+
+Everything between the caller and the wire (LLM.generate / generate_stream, the HTTP
+generation, EngineClient.add_request) passes this one value on, so an option added here
+reaches the engine everywhere at once instead of being re-listed, in order, in every
+signature (a positional slip there once sent an adapter where P/D parameters go).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from launch.jobs import job_infos
+from launch.lora_modules import LoRAArg, per_prompt_loras
+from protocol.kv_connector import KVTransferParams
+from protocol.lora import LoRARequest
+from protocol.messages import JobInfo
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    priority: int = 0
+    cache_salt: str | None = None
+    job: JobInfo | None = None  # the agent program this request is a turn of
+    kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill / decode
+    lora: LoRARequest | None = None  # None: the base model
+
+
+NO_OPTIONS = RequestOptions()
+
+
+def per_prompt_options(
+    n: int,
+    *,
+    lora_enabled: bool,
+    priority: Sequence[int] | None = None,
+    cache_salt: str | None = None,
+    job_id: str | Sequence[str | None] | None = None,
+    is_last_step: bool | Sequence[bool] = False,
+    tool_name: str | Sequence[str | None] | None = None,
+    kv_transfer_params: KVTransferParams | Sequence[KVTransferParams | None] | None = None,
+    lora_request: LoRAArg = None,
+) -> list[RequestOptions]:
+    """The Python API's keywords (one value, or one per prompt) as one RequestOptions per
+    prompt; ValueError when a per-prompt list has the wrong length. Values are checked where
+    they enter the engine (EngineClient.add_request), not here."""
+    jobs = job_infos(n, job_id, is_last_step, tool_name) or [None] * n
+    loras = per_prompt_loras(lora_request, n, lora_enabled)
+    if priority is not None and len(priority) != n:
+        raise ValueError(f"{len(priority)} priorities for {n} prompts")
+    if kv_transfer_params is None or isinstance(kv_transfer_params, KVTransferParams):
+        kv: list[KVTransferParams | None] = [kv_transfer_params] * n
+    else:
+        kv = list(kv_transfer_params)
+        if len(kv) != n:
+            raise ValueError(f"{len(kv)} kv_transfer_params for {n} prompts")
+    return [
+        RequestOptions(priority=priority[i] if priority is not None else 0,
+                       cache_salt=cache_salt, job=jobs[i], kv_transfer_params=kv[i],
+                       lora=loras[i])
+        for i in range(n)
+    ]
