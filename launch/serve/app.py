@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from launch.client import EngineDeadError
 from launch.serve.admit import admitted
-from launch.serve.body import parse_request, read_body
+from launch.serve.body import check_content_type, parse_request, read_body
 from launch.serve.census import census_body
 from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
@@ -45,9 +45,7 @@ def _version() -> str:
 
 
 async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+    check_content_type(request)
     raw = await read_body(request, max_bytes)
     return await parse_request(raw, model)
 
