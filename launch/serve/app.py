@@ -23,7 +23,14 @@ from launch.serve.census import census_body
 from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
 from launch.serve.context import ServerContext
-from launch.serve.errors import APIError, bad_request, error_response, install_error_handlers
+from launch.serve.errors import (
+    APIError,
+    bad_request,
+    engine_dead,
+    engine_unavailable,
+    error_response,
+    install_error_handlers,
+)
 from launch.serve.lora import install_lora_routes
 from launch.serve.schemas import (
     ChatCompletionRequest,
@@ -74,7 +81,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if ctx.engine.dead_reason is not None:
-            return error_response(503, f"the engine is dead: {ctx.engine.dead_reason}")
+            dead = engine_dead(ctx.engine.dead_reason)
+            return error_response(dead.status, dead.message)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -115,7 +123,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         try:
             return JSONResponse(await census_body(ctx))
         except (EngineDeadError, TimeoutError) as e:
-            return error_response(503, f"no census from the engine: {e}")
+            err = engine_unavailable("no census", e, ctx.engine.dead_reason)
+            return error_response(err.status, err.message)
 
     # a generation route holds a slot under --max-queued-requests before it reads the body
     @app.post("/v1/completions", dependencies=guarded)
