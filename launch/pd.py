@@ -101,6 +101,16 @@ class Servers:
             f.close()
 
 
+def _max_request_bytes(server_args: list[str]) -> int:
+    """The servers' --max-request-bytes (it goes to them with the other flags): the proxy in
+    front of them reads no larger body than they would."""
+    from launch.serve import DEFAULT_MAX_REQUEST_BYTES
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    return int(p.parse_known_args(server_args)[0].max_request_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -125,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         servers.wait_healthy(args.startup_timeout_s)
         from launch.proxy.main import run_proxy
 
-        run_proxy(prefill, decode, args.host, args.port)
+        run_proxy(prefill, decode, args.host, args.port,
+                  max_request_bytes=_max_request_bytes(rest))
         return 0
     except KeyboardInterrupt:
         return 0

@@ -1,9 +1,16 @@
-"""The proxy's FastAPI app (see launch/proxy/__init__.py)."""
+"""The proxy's FastAPI app (see launch/proxy/__init__.py).
+
+A body is read and checked exactly as the API server reads its own (launch/serve/body.py): at
+most --max-request-bytes (413 from Content-Length before reading, or as soon as a chunked body
+passes it), strict JSON, nesting bounded, valid Unicode. The proxy holds each body in memory
+(it parses it to add the prefill's params), so without this bound one large POST is the
+proxy's memory; and nothing it could not parse is ever forwarded. Its own error bodies name
+what failed, not how: backend addresses and exception texts go to its log.
+"""
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from launch.serve.body import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    check_content_type,
+    parse_json_object,
+    read_body,
+)
+from launch.serve.errors import error_response, install_error_handlers
+
 logger = logging.getLogger("tandem.proxy")
 
 # headers a backend may see from the client: authentication, and what the body is
@@ -21,9 +36,13 @@ FORWARDED = ("authorization", "content-type", "x-request-id")
 
 
 class PDProxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 600.0,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode server")
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.max_request_bytes = max_request_bytes
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
         self._p = itertools.cycle(self.prefill)
@@ -70,12 +89,11 @@ class PDProxy:
 
     async def handle(self, path: str, request: Request) -> Response:
         assert self.client is not None
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            return _error(400, f"malformed JSON body: {e}")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+        # each raises an APIError (413 or 400) before anything is sent to a backend
+        check_content_type(request)
+        raw = await read_body(request, self.max_request_bytes)
+        body = await parse_json_object(raw)
+        del raw  # the parsed copy is what goes on; the bytes need not live as long
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         params, err = await self._prefill(path, body, headers)
         if err is not None:
@@ -91,7 +109,8 @@ class PDProxy:
         try:
             resp = await self.client.send(req, stream=bool(body.get("stream")))
         except httpx.HTTPError as e:
-            return _error(502, f"decode server {url} failed: {e}")
+            logger.error("decode server %s failed: %s: %s", url, type(e).__name__, e)
+            return _error(502, "the decode server failed (see the proxy's log)")
         if not body.get("stream"):
             return Response(resp.content, resp.status_code,
                             media_type=resp.headers.get("content-type"))
@@ -107,9 +126,8 @@ async def _relay(resp: httpx.Response) -> AsyncIterator[bytes]:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError"
-                                   if status < 500 else "ServerError", "code": status}},
-                        status_code=status)
+    """The API server's error shape, so a client cannot tell the proxy's errors apart."""
+    return error_response(status, message)
 
 
 def build_app(proxy: PDProxy) -> FastAPI:
@@ -120,6 +138,8 @@ def build_app(proxy: PDProxy) -> FastAPI:
         await proxy.stop()
 
     app = FastAPI(title="Tandem P/D proxy", lifespan=lifespan)
+    # APIError (413, 400) in the API's shape; anything unexpected a bare 500, logged here
+    install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -136,7 +156,8 @@ def build_app(proxy: PDProxy) -> FastAPI:
         try:
             r = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=headers)
         except httpx.HTTPError as e:
-            return _error(502, f"decode server failed: {e}")
+            logger.error("decode server %s failed: %s: %s", proxy.decode[0], type(e).__name__, e)
+            return _error(502, "the decode server failed (see the proxy's log)")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health")
@@ -145,10 +166,12 @@ def build_app(proxy: PDProxy) -> FastAPI:
         for url in proxy.prefill + proxy.decode:
             try:
                 r = await proxy.client.get(url + "/health", timeout=5.0)
-            except httpx.HTTPError:
-                return _error(503, f"{url} is unreachable")
+            except httpx.HTTPError as e:
+                logger.error("backend %s is unreachable: %s: %s", url, type(e).__name__, e)
+                return _error(503, "a backend server is unreachable (see the proxy's log)")
             if r.status_code != 200:
-                return _error(503, f"{url} is unhealthy ({r.status_code})")
+                logger.error("backend %s is unhealthy (%d)", url, r.status_code)
+                return _error(503, f"a backend server is unhealthy ({r.status_code})")
         return Response(status_code=200)
 
     @app.get("/pd/backends")

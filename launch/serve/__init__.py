@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 
+# the largest request body the API server and the P/D proxy read (--max-request-bytes); here,
+# with no web-stack import, so the proxy's and pd's flags can name it before the stack is checked
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
 SERVE_EXTRA_HINT = (
     "the OpenAI-compatible server needs the 'serve' extra: "
     "pip install -e '.[serve]' (FastAPI, uvicorn, prometheus_client)"

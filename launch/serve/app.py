@@ -18,12 +18,19 @@ from pydantic import BaseModel
 
 from launch.client import EngineDeadError
 from launch.serve.admit import admitted
-from launch.serve.body import parse_request, read_body
+from launch.serve.body import check_content_type, parse_request, read_body
 from launch.serve.census import census_body
 from launch.serve.chat import chat_prompt, create_chat_completion
 from launch.serve.completions import create_completion
 from launch.serve.context import ServerContext
-from launch.serve.errors import APIError, bad_request, error_response, install_error_handlers
+from launch.serve.errors import (
+    APIError,
+    bad_request,
+    engine_dead,
+    engine_unavailable,
+    error_response,
+    install_error_handlers,
+)
 from launch.serve.lora import install_lora_routes
 from launch.serve.schemas import (
     ChatCompletionRequest,
@@ -45,9 +52,7 @@ def _version() -> str:
 
 
 async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+    check_content_type(request)
     raw = await read_body(request, max_bytes)
     return await parse_request(raw, model)
 
@@ -76,7 +81,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if ctx.engine.dead_reason is not None:
-            return error_response(503, f"the engine is dead: {ctx.engine.dead_reason}")
+            dead = engine_dead(ctx.engine.dead_reason)
+            return error_response(dead.status, dead.message)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -117,7 +123,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         try:
             return JSONResponse(await census_body(ctx))
         except (EngineDeadError, TimeoutError) as e:
-            return error_response(503, f"no census from the engine: {e}")
+            err = engine_unavailable("no census", e, ctx.engine.dead_reason)
+            return error_response(err.status, err.message)
 
     # a generation route holds a slot under --max-queued-requests before it reads the body
     @app.post("/v1/completions", dependencies=guarded)

@@ -19,9 +19,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from launch.serve import DEFAULT_MAX_REQUEST_BYTES
 from launch.serve.errors import APIError, bad_request
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "check_content_type", "parse_json_object",
+           "parse_request", "read_body"]
+
 # deeper than any request schema (a chat message's content part is 4 levels down)
 MAX_DEPTH = 32
 # below this the thread hop costs more than parsing on the loop
@@ -52,9 +55,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def _too_large(size: int, max_bytes: int, at_least: bool = False) -> APIError:
-    more = "more than" if at_least else f"{size} bytes,"
+    # a chunked body is refused as soon as it passes the bound: its size is not known
+    size_text = "" if at_least else f" ({size} bytes)"
     return APIError(
-        413, f"request body is {more} over the limit of {max_bytes} bytes (--max-request-bytes)"
+        413,
+        f"request body{size_text} is over the limit of {max_bytes} bytes (--max-request-bytes)",
     )
 
 
@@ -65,8 +70,23 @@ async def parse_request(raw: bytes, model: type[M]) -> M:
     return _typed(raw, model)
 
 
+async def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, checked like every typed body (strict JSON, depth bounded,
+    valid Unicode) but not typed: for a proxy that forwards what it was sent."""
+    if len(raw) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(json_object, raw)
+    return json_object(raw)
+
+
+def check_content_type(request: Request) -> None:
+    """400 unless the body is declared as JSON (a form or text body is never parsed)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+
+
 def _typed(raw: bytes, model: type[M]) -> M:
-    data = _parse(raw)
+    data = json_object(raw)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -79,7 +99,12 @@ def _typed(raw: bytes, model: type[M]) -> M:
         raise bad_request("; ".join(parts), param) from e
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
+def json_object(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object, or a 400: malformed, not an object, too deep, bad Unicode.
+
+    json.loads recurses in C and stops with RecursionError near Python's recursion limit, and
+    the body is already bounded in bytes, so parsing a hostile body costs at most that much;
+    check_tree then refuses anything deeper than MAX_DEPTH."""
     try:
         data = json.loads(raw)
     except RecursionError as e:

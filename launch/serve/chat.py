@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from launch.serve.context import ServerContext
-from launch.serve.errors import bad_request
+from launch.serve.errors import bad_request, logger, public_detail
 from launch.serve.field_checks import check_logprobs, check_messages
 from launch.serve.generation import Delta, pad_logprobs, token_text
 from launch.serve.respond import respond
@@ -36,9 +36,12 @@ def chat_prompt(
     try:
         text = tok.render_chat(message_dicts(messages), add_generation_prompt)
     except ValueError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(public_detail(str(e)), "messages") from e
     except Exception as e:  # noqa: BLE001 - a template's raise_exception or a render error
-        raise bad_request(f"chat template failed: {e}", "messages") from e
+        # the template's own words help the client; where in the template engine it broke
+        # does not (and is logged)
+        logger.warning("chat template failed: %s: %s", type(e).__name__, e)
+        raise bad_request(f"chat template failed: {public_detail(str(e))}", "messages") from e
     return ctx.encode(text, add_special_tokens, "messages")
 
 

@@ -17,7 +17,7 @@ from launch.jobs import job_infos
 from launch.serve.adapters import ServedAdapters
 from launch.serve.body import DEFAULT_MAX_REQUEST_BYTES
 from launch.serve.engine import AsyncEngine
-from launch.serve.errors import APIError, bad_request
+from launch.serve.errors import APIError, bad_request, engine_dead
 from launch.serve.field_checks import (
     check_logit_bias,
     check_max_tokens,
@@ -82,7 +82,7 @@ class ServerContext:
 
     def check_alive(self) -> None:
         if self.engine.dead_reason is not None:
-            raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+            raise engine_dead(self.engine.dead_reason)
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of `text`. Blocking (the tokenizer holds the GIL): call it from a worker

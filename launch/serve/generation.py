@@ -27,7 +27,14 @@ from launch.client import EngineDeadError
 from launch.detokenizer import IncrementalDetokenizer
 from launch.request_options import RequestOptions
 from launch.serve.engine import AsyncEngine, Event
-from launch.serve.errors import APIError, bad_request, overloaded
+from launch.serve.errors import (
+    APIError,
+    bad_request,
+    engine_dead,
+    logger,
+    overloaded,
+    public_detail,
+)
 from launch.serve.metrics import ServerMetrics
 from launch.serve.stop import StopChecker
 from protocol.codec import pack
@@ -161,7 +168,7 @@ class Generation:
         """Send every choice. `ticket`: the slot the route took under the queue bound before
         reading the body; it grows to one slot per choice here (503 when they do not fit)."""
         if self.engine.dead_reason is not None:
-            raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
+            raise engine_dead(self.engine.dead_reason)
         if ticket is not None:
             try:
                 ticket.grow_to(len(self.choices))
@@ -184,7 +191,7 @@ class Generation:
                 raise overloaded(str(e)) from None
             except EngineDeadError as e:
                 self.abort()
-                raise APIError(503, f"the engine is dead: {e}") from e
+                raise engine_dead(self.engine.dead_reason or str(e)) from None
             except ValueError as e:
                 self.abort()
                 raise bad_request(str(e), "request_id") from e
@@ -231,8 +238,8 @@ class Generation:
     async def _raise_for(self, error: str) -> None:
         self.abort()
         if await self._engine_died():
-            raise APIError(503, f"the engine is dead: {self.engine.dead_reason}")
-        raise bad_request(error)
+            raise engine_dead(self.engine.dead_reason)
+        raise bad_request(self._public(error))
 
     async def _engine_died(self) -> bool:
         deadline = time.monotonic() + DEAD_GRACE_S
@@ -246,9 +253,18 @@ class Generation:
         for c in self.choices:
             if c.finish_reason == "error":
                 if await self._engine_died():
-                    return APIError(503, f"the engine is dead: {self.engine.dead_reason}")
-                return APIError(500, c.error or "request failed")
+                    return engine_dead(self.engine.dead_reason)
+                return APIError(500, self._public(c.error or "request failed"))
         return None
+
+    def _public(self, error: str) -> str:
+        """An engine's error for one request as the client reads it. The engine's own refusals
+        ("prompt is empty ...") pass unchanged; a worker's failure may carry its traceback,
+        which is logged here and cut from the answer."""
+        shown = public_detail(error)
+        if shown != error:
+            logger.error("request %s failed: %s", self.base_id, error)
+        return shown
 
     async def stream(self, first: list[Delta]) -> AsyncIterator[list[Delta]]:
         """Batches of deltas until every choice has finished (`first` comes first)."""

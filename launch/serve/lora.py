@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from launch.client import EngineDeadError
 from launch.serve.adapters import ServedAdapter
-from launch.serve.errors import APIError, bad_request
+from launch.serve.errors import APIError, bad_request, engine_unavailable, public_detail
 from protocol.lora import LoRARequest
 
 if TYPE_CHECKING:
@@ -84,11 +84,11 @@ async def load(ctx: ServerContext, name: str, path: str) -> None:
     try:
         result = await asyncio.to_thread(ctx.engine.client.load_lora, lora)
     except (EngineDeadError, TimeoutError) as e:
-        raise APIError(503, f"the engine did not answer: {e}") from e
+        raise engine_unavailable("loading an adapter", e, ctx.engine.dead_reason) from None
     finally:
         adapters.changing.discard(name)
     if result.error:
-        raise bad_request(result.error, "lora_path")
+        raise bad_request(public_detail(result.error), "lora_path")
     adapters.by_name[name] = ServedAdapter(lora, adapters.base)
 
 
@@ -105,7 +105,7 @@ async def unload(ctx: ServerContext, name: str, lora_int_id: int | None) -> None
         result = await asyncio.to_thread(ctx.engine.client.unload_lora, name)
     except (EngineDeadError, TimeoutError) as e:
         adapters.by_name[name] = served
-        raise APIError(503, f"the engine did not answer: {e}") from e
+        raise engine_unavailable("unloading an adapter", e, ctx.engine.dead_reason) from None
     except BaseException:
         adapters.by_name[name] = served
         raise
@@ -113,6 +113,6 @@ async def unload(ctx: ServerContext, name: str, lora_int_id: int | None) -> None
         adapters.changing.discard(name)
     if result.error and not result.not_found:
         adapters.by_name[name] = served
-        raise APIError(409 if result.in_use else 400, result.error, "lora_name")
+        raise APIError(409 if result.in_use else 400, public_detail(result.error), "lora_name")
     if result.not_found:
         raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from launch.serve.errors import bad_request
+from launch.serve.errors import bad_request, public_detail
 from launch.serve.generation import Generation
 from launch.structured import FrontendGrammars
 from protocol.structured import StructuredOutputsParams
@@ -94,7 +94,7 @@ async def constrain(ctx: Any, gen: Generation, spec: StructuredOutputsParams | N
         # every request with the same constraint, each raise adding this frame (and with it
         # this request's Generation) to its traceback: drop it, or every such request is kept
         e.__traceback__ = None
-        raise bad_request(str(e), param) from None
+        raise bad_request(public_detail(str(e)), param) from None
     try:
         # finish() names a timeout; the hold is released whatever happens (a client gone too)
         while not pending.future.done() and pending.remaining() > 0:
@@ -102,7 +102,7 @@ async def constrain(ctx: Any, gen: Generation, spec: StructuredOutputsParams | N
         gen.params = ctx.grammars.finish(params, pending)
     except ValueError as e:
         e.__traceback__ = None  # it may be the compile's own exception, shared (see above)
-        raise bad_request(str(e), param) from None
+        raise bad_request(public_detail(str(e)), param) from None
     finally:
         pending.hold.release()
 

@@ -26,6 +26,7 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow  # two engines behind a proxy
 
 PROMPT = [(i * 7919) % 31000 + 300 for i in range(75)]
+MAX_BODY = 256 * 1024  # given to pd, which gives it to its servers and its proxy
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch", "pd", "--prefill-tp", "1", "--decode-tp", "1",
          "--port", str(port), "--log-dir", logs, "--model", "dummy:tiny", "--dtype", "float32",
-         "--kv-cache-memory", "16M", "--max-model-len", "512"],
+         "--kv-cache-memory", "16M", "--max-model-len", "512",
+         "--max-request-bytes", str(MAX_BODY)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     kids: list[int] = []
@@ -137,3 +139,24 @@ def test_proxy_falls_back_to_the_decode_servers_prefill(pd) -> None:
     body = asyncio.run(run())
     assert len(body["choices"][0]["token_ids"]) == 4
     assert proxy.num_fallbacks == 1
+
+
+def test_proxy_refuses_what_its_servers_would(pd) -> None:
+    """pd gives its servers' --max-request-bytes to its proxy, which refuses a larger body, a
+    too-deep one and one that is not JSON itself (tests/serve/test_proxy_bounds.py shows with
+    recording upstreams that such a body is never forwarded)."""
+    url, backends = pd
+    before = metric(httpx.get(backends["prefill"][0] + "/metrics").text,
+                    "tandem:prompt_tokens_total")
+    big = {"prompt": "a" * MAX_BODY, "max_tokens": 1}
+    r = httpx.post(url + "/v1/completions", json=big, timeout=60)
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"], r.text
+    deep = b'{"prompt": [1], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for content in (deep, b"prompt=1"):
+        r = httpx.post(url + "/v1/completions", content=content, timeout=60,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "Traceback" not in r.text and ".py" not in r.text
+    after = metric(httpx.get(backends["prefill"][0] + "/metrics").text,
+                   "tandem:prompt_tokens_total")
+    assert after == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import Server, make_tokenizer_dir, serve
+from serve_helpers import ROOT, Server, make_tokenizer_dir, serve
 
 openai = pytest.importorskip("openai")
 
@@ -166,3 +167,51 @@ def test_dead_engine_is_503(tmp_path: Any) -> None:
             time.sleep(0.1)
         check_error(httpx.post(url, json=GOOD, timeout=30), 503, "the engine is dead")
         check_error(httpx.get(server.base_url + "/health", timeout=10), 503, "engine is dead")
+
+
+# an absolute path anywhere in a body (a source file, the server's checkout)
+ABS_PATH = re.compile(r"(?:^|[\s\"'(=:])/[\w.@~-]+/")
+
+
+def _no_internals(text: str) -> None:
+    for s in ("Traceback", 'File "', ".py", ROOT):
+        assert s not in text, (s, text)
+    assert not ABS_PATH.search(text), text
+
+
+def test_dead_engine_bodies_carry_no_traceback(tmp_path: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # a worker that raises: the engine's dead_reason is its whole traceback, with source paths
+    monkeypatch.setenv("TANDEM_FAULT_INJECT", "raise@step=3,rank=0")
+    with serve(*ENGINE, log_dir=str(tmp_path)) as server:
+        monkeypatch.delenv("TANDEM_FAULT_INJECT")
+        url = server.base_url + "/v1/completions"
+        body = {"prompt": [5, 6, 7], "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as r:
+            assert r.status_code in (200, 503), r.read()
+            text = r.read().decode()
+        _no_internals(text)
+        if r.status_code == 200:  # died mid-stream: an error event, then [DONE]
+            datas = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+            assert datas[-1] == "[DONE]", text
+            err = json.loads(datas[-2])["error"]
+        else:
+            err = json.loads(text)["error"]
+        assert err["code"] == 503 and "a worker process failed" in err["message"], err
+        deadline = time.monotonic() + 30
+        while httpx.get(server.base_url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "health never became 503"
+            time.sleep(0.1)
+        answers = [httpx.post(url, json=body, timeout=30),
+                   httpx.post(url, json=body | {"stream": True}, timeout=30),
+                   httpx.get(server.base_url + "/health", timeout=10),
+                   httpx.get(server.base_url + "/census", timeout=10)]
+        for a in answers:
+            check_error(a, 503, "the engine is dead: a worker process failed")
+            _no_internals(a.text)
+        # the server's log is where the detail went
+        deadline = time.monotonic() + 10
+        while "injected fault" not in server.log():
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        assert "Traceback" in server.log()
