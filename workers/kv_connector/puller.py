@@ -27,7 +27,7 @@ from protocol.kv_connector import KVConnectorReport, KVLoadOp
 from protocol.kv_peer import PeerInfo
 from protocol.transport import make_socket
 from workers.kv_connector.layout import head_slices
-from workers.kv_connector.peer import Cancelled, Peer, PeerError
+from workers.kv_connector.peer import Cancelled, LeaseRefused, Peer, PeerError
 from workers.kv_connector.transports import (
     ShmTransport,
     ShmUnavailable,
@@ -135,7 +135,9 @@ class Puller:
                                     transport=transport)
         except PeerError as e:
             rep = KVConnectorReport(rank=self.layout.rank, failed=pack([op.load_id]),
-                                    reasons=[str(e)])
+                                    reasons=[str(e)],
+                                    refused=pack([op.load_id]) if isinstance(
+                                        e, LeaseRefused) else b"")
         except Exception as e:  # a bug in a transport fails this load, not the rank
             logger.exception("KV load %d failed", op.load_id)
             rep = KVConnectorReport(rank=self.layout.rank, failed=pack([op.load_id]),
