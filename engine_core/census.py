@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from engine_core.grammar_gate import GrammarGate
+    from engine_core.kv_connector.engine_side import KVConnectorEngine
     from engine_core.lora.registry import LoRARegistry
     from engine_core.sched.scheduler import Scheduler
     from engine_core.worker_link import WorkerLink
@@ -31,6 +32,7 @@ class CoreState(Protocol):
     scheduler: Scheduler
     link: WorkerLink
     lora: LoRARegistry | None
+    kv: KVConnectorEngine | None
 
 # names below that are bounded rather than freed with their request, and their bound
 BOUNDED = {
@@ -48,6 +50,8 @@ BOUNDED = {
     # body alone; each stays until it is unloaded
     "lora.adapters": "the adapters registered and not unloaded",
     "lora.slots": "max_loras",
+    # sockets to prefill engines that clients' kv_transfer_params named (P/D)
+    "kv_connector.peers": "MAX_PEERS (64), each closed after PEER_IDLE_S without a lease",
 }
 
 
@@ -98,6 +102,13 @@ def core_census(core: CoreState) -> dict[str, int]:
         if slots is not None:
             out["lora.slots"] = len(slots.slot_of)
             out["lora.slot_pins"] = len(slots.pins)
+    kv = core.kv
+    if kv is not None:
+        out["kv_connector.peers"] = len(kv.dealers)
+        conn = sched.kv_connector
+        if conn is not None:
+            out["kv_connector.loads"] = len(conn.loads)
+            out["kv_connector.remote_leases"] = len(conn.remote.refs)
     for rank, sizes in sorted(core.link.rank_census.items()):
         out.update({f"rank{rank}.{name}": n for name, n in sizes.items()})
     return out

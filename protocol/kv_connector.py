@@ -17,6 +17,8 @@ The KV itself goes worker to worker (workers/kv_connector/, messages in protocol
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import msgspec
@@ -141,10 +143,59 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_lease_s: float = 0.0
 
 
+# bounds on kv_transfer_params, which come from clients: every list and string an engine keeps
+# or sends on is bounded, every port a port
+MAX_PARAM_CHARS = 256  # remote_engine_id, remote_request_id
+MAX_HOST_CHARS = 253  # a DNS name's limit; IPv4 and IPv6 literals are shorter
+MAX_REMOTE_TP = 64
+MAX_BLOCK_ID = (1 << 31) - 1
+# remote_block_ids without a model length to bound them (the HTTP server passes its own bound:
+# the blocks of max_model_len tokens; the engine core: the prompt's)
+MAX_REMOTE_BLOCKS = 1 << 20
+# a host name or an IP literal (IPv6 with or without brackets, a zone after %)
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.%A-Za-z_-]+\]|[0-9A-Za-z.:%_-]+)$")
+
+
+def params_field_error(p: KVTransferParams, max_blocks: int = MAX_REMOTE_BLOCKS
+                       ) -> tuple[str, str] | None:
+    """(field, why) for a value out of bounds whatever the engine (types are msgspec's), or
+    None. The HTTP server answers 400 naming the field; the engine core refuses the request."""
+    def bad(name: str, why: str) -> tuple[str, str]:
+        return f"kv_transfer_params.{name}", f"kv_transfer_params.{name} {why}"
+
+    for name in ("remote_engine_id", "remote_request_id"):
+        if len(getattr(p, name)) > MAX_PARAM_CHARS:
+            return bad(name, f"is longer than {MAX_PARAM_CHARS} characters")
+    if len(p.remote_host) > MAX_HOST_CHARS:
+        return bad("remote_host", f"is longer than {MAX_HOST_CHARS} characters")
+    if p.remote_host and not _HOST.match(p.remote_host):
+        return bad("remote_host", "must be a host name or an IP address")
+    if not 0 <= p.remote_port <= 65535:
+        return bad("remote_port", "must be in [1, 65535]")
+    if len(p.remote_rank_ports) > MAX_REMOTE_TP or not 0 <= p.tp_size <= MAX_REMOTE_TP:
+        return bad("remote_rank_ports", f"names more than {MAX_REMOTE_TP} ranks")
+    if not all(0 < x <= 65535 for x in p.remote_rank_ports):
+        return bad("remote_rank_ports", "must be ports in [1, 65535]")
+    if len(p.remote_block_ids) > max_blocks:
+        return bad("remote_block_ids", f"has more than {max_blocks} blocks (more than a "
+                                       "request can hold)")
+    if not all(0 < b <= MAX_BLOCK_ID for b in p.remote_block_ids):
+        return bad("remote_block_ids", f"must be block ids in [1, {MAX_BLOCK_ID}]")
+    if not 0 <= p.remote_num_tokens <= MAX_BLOCK_ID:
+        return bad("remote_num_tokens", "must be a token count >= 0")
+    if not math.isfinite(p.remote_lease_s) or p.remote_lease_s < 0:
+        return bad("remote_lease_s", "must be a finite number of seconds >= 0")
+    return None
+
+
 def params_error(p: KVTransferParams, block_size: int, num_prompt_tokens: int) -> str | None:
     """Why a decode request's params cannot name a load, or None (prefill params: None)."""
     if not p.do_remote_prefill:
         return None
+    need = -(-p.remote_num_tokens // block_size)
+    bounded = params_field_error(p, max(need, 1))
+    if bounded is not None:
+        return bounded[1]
     if p.do_remote_decode:
         return "kv_transfer_params: do_remote_prefill and do_remote_decode are both set"
     if not p.remote_engine_id or not p.remote_host or not p.remote_request_id:
@@ -160,7 +211,6 @@ def params_error(p: KVTransferParams, block_size: int, num_prompt_tokens: int) -
     if p.remote_num_tokens != num_prompt_tokens:
         return (f"kv_transfer_params: the remote blocks hold {p.remote_num_tokens} tokens, the "
                 f"prompt has {num_prompt_tokens} (not the prefill of this prompt)")
-    need = -(-p.remote_num_tokens // block_size)
     if len(p.remote_block_ids) < need:
         return (f"kv_transfer_params: {len(p.remote_block_ids)} remote_block_ids for "
                 f"{p.remote_num_tokens} tokens in blocks of {block_size} (need {need}; the "
@@ -239,6 +289,9 @@ class KVConnectorReport(msgspec.Struct, array_like=True, tag=37, kw_only=True):
     nbytes: int = 0  # bytes this rank pulled for ``done``
     seconds: list[float] = []  # per ``done`` id: from the op's arrival to in place
     transport: str = ""  # what moved them (tcp, shm, nixl)
+    # packed load ids among ``failed`` whose lease the prefill rank refused (unknown key, an
+    # ended lease, blocks outside it): counted apart, a sign of a guessed or stale key
+    refused: bytes = b""
 
 
 class KVLeaseControl(msgspec.Struct, array_like=True, tag=40, kw_only=True):

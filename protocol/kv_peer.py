@@ -24,6 +24,7 @@ PEER_OK = 0
 PEER_NOT_YET = 1  # no such lease yet: the prefill engine's step that exposes it is under way
 PEER_GONE = 2  # the lease ended (released or expired): the blocks may hold other KV now
 PEER_ERROR = 3
+PEER_REFUSED = 4  # blocks the named lease does not hold: never served, whatever the key
 
 
 class PeerHello(msgspec.Struct, array_like=True, tag=41, kw_only=True):

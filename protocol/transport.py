@@ -128,12 +128,14 @@ def make_socket(
     secret: bytes | None = None,
     hwm: int = 0,
     linger_ms: int = 0,
+    reconnect_max_ms: int = 0,
 ) -> zmq.Socket:
     """Create, configure, then bind or connect one socket.
 
     tcp:// with a ``secret`` uses CURVE (server = the binding side). tcp:// on a host other
     than loopback without a secret is refused: anyone on the network could inject requests
-    or read step plans.
+    or read step plans. ``reconnect_max_ms``: back off reconnecting up to this (0: ZeroMQ's
+    fixed 100 ms), for connections to endpoints a client named, which may never answer.
     """
     is_tcp = addr.startswith("tcp://")
     if is_tcp and not secret and not is_loopback_addr(addr):
@@ -146,6 +148,8 @@ def make_socket(
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        if reconnect_max_ms:
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
         if is_tcp:
             if ":" in _tcp_host(addr):
                 sock.setsockopt(zmq.IPV6, 1)

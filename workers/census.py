@@ -29,6 +29,8 @@ BOUNDED = {
     "kv_offload.bad_slots": "the host tier's slots",
     "kv_offload.disk_ops": "the disk tier's slots",
     "kv_offload.disk_reads": "the host tier's slots",
+    # a decode rank's connections to the prefill ranks clients' kv_transfer_params named
+    "kv_connector.peers": "the puller's MAX_PEERS (64), least recently used closed first",
 }
 
 
@@ -54,4 +56,8 @@ def worker_census(worker: WorkerState) -> dict[str, int]:
         if offload.disk is not None:
             out["kv_offload.disk_ops"] = len(offload.disk._last_op)
             out["kv_offload.disk_reads"] = len(offload.disk._reads)
+    kv = runner.kv_connector
+    if kv is not None and kv.puller is not None:
+        out["kv_connector.peers"] = kv.puller.num_peers
+        out["kv_connector.loads"] = kv.puller.num_loads
     return out

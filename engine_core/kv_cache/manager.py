@@ -20,7 +20,7 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.kv_cache.coordinator import KVCacheBlocks, make_coordinator
 from engine_core.kv_cache.hashing import BlockHasher, get_hash_fn
-from engine_core.kv_cache.single_type_manager import make_manager
+from engine_core.kv_cache.single_type_manager import TableKey, make_manager
 from engine_core.request import Request
 from protocol.kv_cache_spec import KVCacheGroupSpec
 
@@ -275,12 +275,12 @@ class KVCacheManager:
         self.free_table(request.request_id)
         request.kv_fast_limit = 0
 
-    def free_table(self, key: str) -> None:
+    def free_table(self, key: TableKey) -> None:
         """Release the table held under ``key`` (a request id, or a key given by rekey)."""
         for m in self.managers:
             self.num_held_blocks -= m.free(key)
 
-    def rekey(self, old: str, new: str) -> None:
+    def rekey(self, old: str, new: TableKey) -> None:
         """Hold ``old``'s table under ``new``: the blocks of a finished request that must
         outlive it (a prefill's blocks under a lease, a load still writing them), while its
         id may be used again."""

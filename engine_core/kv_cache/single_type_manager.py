@@ -24,6 +24,11 @@ from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.request import BlockHash
 
+# a block table's key: a request id, or (holder kind, name) for a table an internal holder keeps
+# after its request finished (the KV connector's leases and loads). A tuple is a key no request
+# id (a str) can ever equal, whatever a client names its request.
+TableKey = str | tuple[str, str]
+
 
 class SingleTypeKVCacheManager:
     """Full attention (sliding_window 0); SlidingWindowManager overrides what differs."""
@@ -34,9 +39,9 @@ class SingleTypeKVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.group_id = group_id
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_blocks: dict[TableKey, list[KVCacheBlock]] = {}
         # how many leading blocks of each request are registered in the prefix cache
-        self.num_cached_block: dict[str, int] = {}
+        self.num_cached_block: dict[TableKey, int] = {}
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_num_blocks: int
@@ -76,7 +81,7 @@ class SingleTypeKVCacheManager:
         blocks.extend(hits)
         return len(hits)
 
-    def free(self, request_id: str) -> int:
+    def free(self, request_id: TableKey) -> int:
         """Release a request's table, tail first, so its shared prefix is evicted last;
         returns the number of real blocks released."""
         self.num_cached_block.pop(request_id, None)
@@ -101,7 +106,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # tokens one allocation covers at most (a step's chunk plus drafts), for max_blocks
         self.max_chunk = max_chunk
         # index of the first block that is not the null block, per request
-        self.first_live: dict[str, int] = {}
+        self.first_live: dict[TableKey, int] = {}
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_num_blocks: int
@@ -178,7 +183,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         blocks.extend(hits)
         return len(real)
 
-    def free(self, request_id: str) -> int:
+    def free(self, request_id: TableKey) -> int:
         self.num_cached_block.pop(request_id, None)
         first = self.first_live.pop(request_id, 0)
         blocks = self.req_to_blocks.pop(request_id, None)

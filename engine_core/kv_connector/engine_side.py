@@ -3,15 +3,21 @@ what each turn of the core's loop settles (the ranks' reports, lease messages, d
 
 A prefill engine binds a ROUTER on ``kv_ip:kv_port`` (the ``remote_port`` of its answers); a
 decode engine keeps one DEALER per prefill engine it depends on and sends it KVLeaseControl
-(renew, release). Only lease bookkeeping travels here; the KV goes rank to rank. tcp:// on a
-non-loopback address needs TANDEM_SECRET and is CURVE-authenticated (protocol.transport).
+(renew, release). Those addresses come from clients' params, so the DEALERs are a pool: at
+most MAX_PEERS (least recently used closed first), each closed once no lease is held through
+it for PEER_IDLE_S, reconnecting with backoff meanwhile (a dead endpoint costs no CPU).
+Only lease bookkeeping travels here; the KV goes rank to rank. tcp:// on a non-loopback
+address needs TANDEM_SECRET and is CURVE-authenticated (protocol.transport).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -31,6 +37,13 @@ logger = logging.getLogger("tandem.kv_connector")
 # lease messages queued for one unreachable prefill engine before new ones are dropped (a
 # dropped renewal costs at most that lease; the engine is likely gone anyway)
 CONTROL_HWM = 1000
+# the pool of DEALERs to prefill engines: its bound, how long one stays open with no lease held
+# through it (long enough for a release to leave after its load ended), how often idle ones
+# are looked for, and the reconnect backoff's ceiling for an endpoint that does not answer
+MAX_PEERS = 64
+PEER_IDLE_S = 30.0
+SWEEP_EVERY_S = 1.0
+RECONNECT_MAX_MS = 5000
 
 
 def tcp_addr(host: str, port: int | str) -> str:
@@ -47,8 +60,9 @@ def advertised_host(kv_ip: str) -> str:
 
 class KVConnectorEngine:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], cfg: KVTransferConfig,
-                 secret: bytes | None) -> None:
+                 secret: bytes | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.ctx = ctx
+        self.clock = clock
         self.cfg = cfg
         self.secret = secret
         self.engine_id = cfg.engine_id or uuid.uuid4().hex
@@ -61,7 +75,10 @@ class KVConnectorEngine:
         self.port = int(endpoint.decode().rsplit(":", 1)[1])
         self.encoder = Encoder()
         self.decoder: Decoder[KVLeaseControl] = Decoder(KVLeaseControl, 1 << 20)
-        self.dealers: dict[tuple[str, int], zmq.Socket[bytes]] = {}
+        # (host, port) -> (its DEALER, when last used); least recently used first
+        self.dealers: OrderedDict[tuple[str, int], tuple[zmq.Socket[bytes], float]] = \
+            OrderedDict()
+        self._next_sweep = clock() + SWEEP_EVERY_S
 
     def attach(self, sched: Scheduler, rank_ports: list[int], world_size: int) -> None:
         """Give the scheduler its connector, now that the ranks' block servers are known."""
@@ -89,22 +106,41 @@ class KVConnectorEngine:
         conn.tick()
         for addr, msg in conn.take_control():
             self._send(addr, msg)
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_EVERY_S
+            self._close_idle(conn, now)
 
     def _send(self, addr: Address, msg: KVLeaseControl) -> None:
         host, port, _ = addr
-        sock = self.dealers.get((host, port))
-        if sock is None:
+        key = (host, port)
+        entry = self.dealers.pop(key, None)
+        if entry is None:
             try:
                 sock = make_socket(self.ctx, zmq.DEALER, tcp_addr(host, port), bind=False,
-                                   secret=self.secret, hwm=CONTROL_HWM)
+                                   secret=self.secret, hwm=CONTROL_HWM,
+                                   reconnect_max_ms=RECONNECT_MAX_MS)
             except (ValueError, zmq.ZMQError) as e:
                 logger.warning("cannot reach the prefill engine at %s:%d: %s", host, port, e)
                 return
-            self.dealers[(host, port)] = sock
+            while len(self.dealers) >= MAX_PEERS:  # the least recently used goes
+                _, (old, _) = self.dealers.popitem(last=False)
+                old.close(0)
+        else:
+            sock = entry[0]
+        self.dealers[key] = (sock, self.clock())  # most recently used last
         try:
             sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass  # its queue is full: the engine is gone or stuck; its leases run out
+
+    def _close_idle(self, conn: KVConnectorScheduler, now: float) -> None:
+        """Close the DEALERs no lease is held through and none was used for PEER_IDLE_S."""
+        live = {ref.address[:2] for ref in conn.remote.refs.values()}
+        for key, (sock, used) in list(self.dealers.items()):
+            if now - used >= PEER_IDLE_S and key not in live:
+                del self.dealers[key]
+                sock.close(0)
 
     @property
     def sockets(self) -> list[zmq.Socket[bytes]]:
@@ -113,7 +149,7 @@ class KVConnectorEngine:
 
     def close(self) -> None:
         self.router.close(0)
-        for sock in self.dealers.values():
+        for sock, _ in self.dealers.values():
             sock.close(0)
         self.dealers.clear()
 

@@ -4,10 +4,16 @@ A lease holds the request's block table under its own key (the request id may be
 at once), so the blocks can be neither reused nor evicted. It ends when the decode engine says
 it is done (or gave up), or when ``kv_lease_s`` passes without a renewal; either way the
 blocks are freed (they stay in the prefix cache, evictable) and the ranks stop serving them.
+
+A lease key is a capability: whoever presents it may read the lease's blocks and end the
+lease. So it is 128 random bits (``secrets``), never derived from the request id or a
+counter another client could see or guess.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,9 +22,16 @@ from engine_core.kv_connector.stats import ConnectorStats
 from protocol.codec import pack
 from protocol.kv_connector import KVExposeOp
 
-# held tables live in the block manager under keys no request id takes (ids holding a table
-# are refused on arrival, see KVConnectorScheduler.on_add)
-HELD_PREFIX = "\x00kv-held:"
+logger = logging.getLogger("tandem.kv_connector")
+
+# bytes of randomness in a lease key (128 bits; the key is their URL-safe base64, 22 chars)
+KEY_BYTES = 16
+
+
+def held_key(kind: str, name: str) -> tuple[str, str]:
+    """The block manager's key for a table an internal holder keeps: a tuple, which no request
+    id (a str) can equal, so no client's request id can reach or collide with it."""
+    return (kind, name)
 
 
 @dataclass
@@ -36,23 +49,27 @@ class LeaseTable:
         self.stats = stats
         self.clock = clock
         self.leases: dict[str, Lease] = {}
-        self._seq = 0
         self.expose: list[KVExposeOp] = []  # this step's new leases, for the ranks
         self.unexpose: list[str] = []  # this step's ended leases
 
     def __len__(self) -> int:
         return len(self.leases)
 
-    def grant(self, request_id: str, block_ids: list[int]) -> str:
-        """Hold ``request_id``'s table under a new lease; returns the lease key."""
-        self._seq += 1
-        key = f"{request_id}#{self._seq}"
-        self.kvm.rekey(request_id, HELD_PREFIX + key)
+    def grant(self, request_id: str, block_ids: list[int]) -> str | None:
+        """Hold ``request_id``'s table under a new lease; returns the lease key (None, and
+        the table left to its request, in the never-seen case of a key drawn twice)."""
+        key = secrets.token_urlsafe(KEY_BYTES)
+        if key in self.leases:  # 2^-128: never; but the engine core must not die of it
+            logger.error("a lease key was drawn twice; the prefill is not handed over")
+            return None
+        self.kvm.rekey(request_id, held_key("lease", key))
         self.leases[key] = Lease(key, self.clock() + self.lease_s, block_ids)
         self.expose.append(KVExposeOp(key, pack(block_ids)))
         self.stats.leases += 1
         return key
 
+    # renew and release act only on keys presented exactly (dict lookups): a key is 128
+    # random bits, so a sender can only name leases it was given
     def renew(self, keys: list[str]) -> None:
         deadline = self.clock() + self.lease_s
         for key in keys:
@@ -78,8 +95,8 @@ class LeaseTable:
 
     def _end(self, key: str) -> None:
         del self.leases[key]
-        self.kvm.free_table(HELD_PREFIX + key)
+        self.kvm.free_table(held_key("lease", key))
         self.unexpose.append(key)
 
-    def held_keys(self) -> set[str]:
-        return {HELD_PREFIX + k for k in self.leases}
+    def held_keys(self) -> set[tuple[str, str]]:
+        return {held_key("lease", k) for k in self.leases}

@@ -9,6 +9,7 @@ started, are ignored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,11 @@ from engine_core.request import Request
 from protocol.kv_connector import KVLeaseControl, KVTransferParams
 
 Address = tuple[str, int, str]  # (host, lease port, engine id) of a prefill engine
+
+# the shortest remote lease a request's params may claim: a client's remote_lease_s sets how
+# often this engine renews every lease it depends on, so it is clamped to [this, our own
+# kv_lease_s], and the renew cadence never falls below a quarter of it
+MIN_REMOTE_LEASE_S = 1.0
 
 
 @dataclass
@@ -26,9 +32,10 @@ class PendingLoad:
     num_tokens: int  # tokens this load brings
     deadline: float
     started: float
-    held_key: str = ""
+    held_key: tuple[str, str] | None = None  # the block manager's key once aborted
     cancelled: bool = False
     timed_out: bool = False
+    refused: bool = False  # a prefill rank refused its lease (wrong, guessed or ended key)
     done: set[int] = field(default_factory=set)
     failed: dict[int, str] = field(default_factory=dict)
     nbytes: int = 0
@@ -46,8 +53,9 @@ class RemoteRef:
 class RemoteLeases:
     """Renews the leases of requests still waiting here; releases them when done with."""
 
-    def __init__(self, renew_every_s: float, clock: Callable[[], float]) -> None:
-        self.renew_every_s = renew_every_s
+    def __init__(self, lease_s: float, clock: Callable[[], float]) -> None:
+        self.lease_s = lease_s  # this engine's kv_lease_s: the longest remote lease assumed
+        self.renew_every_s = lease_s / 4
         self.clock = clock
         self.refs: dict[str, RemoteRef] = {}  # request id -> its remote lease
         self._last_renew = clock()
@@ -56,8 +64,9 @@ class RemoteLeases:
     def hold(self, request_id: str, p: KVTransferParams) -> None:
         self.refs[request_id] = RemoteRef(
             (p.remote_host, p.remote_port, p.remote_engine_id), p.remote_request_id)
-        if p.remote_lease_s > 0:  # renew well inside the shortest lease we depend on
-            self.renew_every_s = min(self.renew_every_s, max(0.05, p.remote_lease_s / 4))
+        lease = clamp_lease(p.remote_lease_s, self.lease_s)
+        # renew well inside the shortest lease we depend on (within the clamp)
+        self.renew_every_s = min(self.renew_every_s, lease / 4)
 
     def release(self, request_id: str) -> None:
         ref = self.refs.pop(request_id, None)
@@ -78,3 +87,11 @@ class RemoteLeases:
                 msg = by_addr.setdefault(ref.address, KVLeaseControl(engine_id=ref.address[2]))
                 msg.renew.append(ref.key)
         return list(by_addr.items())
+
+
+def clamp_lease(remote_lease_s: float, lease_s: float) -> float:
+    """A client-supplied lease time within [MIN_REMOTE_LEASE_S, lease_s] (none, or not a
+    finite number: ``lease_s``)."""
+    if not math.isfinite(remote_lease_s) or remote_lease_s <= 0:
+        return lease_s
+    return min(max(remote_lease_s, MIN_REMOTE_LEASE_S), max(lease_s, MIN_REMOTE_LEASE_S))

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine_core.kv_connector.leases import HELD_PREFIX, LeaseTable
+from engine_core.kv_connector.leases import LeaseTable, held_key
 from engine_core.kv_connector.loads import Address, PendingLoad, RemoteLeases
 from engine_core.kv_connector.stats import ConnectorStats
 from engine_core.request import Request, RequestStatus
@@ -42,6 +42,7 @@ from protocol.kv_connector import (
 
 if TYPE_CHECKING:
     from engine_core.kv_cache.manager import KVCacheManager
+    from engine_core.kv_cache.single_type_manager import TableKey
     from protocol.messages import RequestOutput
 
 WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -72,7 +73,7 @@ class KVConnectorScheduler:
         self.clock = clock
         self.stats = ConnectorStats()
         self.leases = LeaseTable(kvm, cfg.kv_lease_s, self.stats, clock)
-        self.remote = RemoteLeases(cfg.kv_lease_s / 4, clock)
+        self.remote = RemoteLeases(cfg.kv_lease_s, clock)
         self.loads: dict[int, PendingLoad] = {}
         self.loading: dict[str, int] = {}  # request id -> its load in flight
         self.aside: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
@@ -90,8 +91,7 @@ class KVConnectorScheduler:
     def on_add(self, req: Request) -> str | None:
         """Why the request is refused, or None; a decode request's lease is kept alive from
         now on."""
-        if req.request_id in self.kvm.req_to_blocks:  # a held table's key: never a request
-            return f"request id {req.request_id!r} is in use"
+        # (held tables are keyed by tuples, so no request id can name one)
         p = req.kv_transfer_params
         if p is None:
             return None
@@ -181,7 +181,7 @@ class KVConnectorScheduler:
         if load_id is not None:  # aborted while its KV arrives: the ranks may still write
             load = self.loads[load_id]
             load.request = None
-            load.held_key = f"{HELD_PREFIX}load{load_id}"
+            load.held_key = held_key("load", str(load_id))
             self.kvm.rekey(rid, load.held_key)
             self._give_up(load)
             return True, None
@@ -192,6 +192,8 @@ class KVConnectorScheduler:
         if not blocks:
             return False, None
         key = self.leases.grant(rid, blocks)
+        if key is None:
+            return False, None
         out = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_block_ids=blocks,
             remote_host=self.host, remote_port=self.port, remote_rank_ports=self.rank_ports,
@@ -233,6 +235,10 @@ class KVConnectorScheduler:
             if load is not None:
                 load.done.discard(rep.rank)
                 load.failed[rep.rank] = rep.reasons[i] if i < len(rep.reasons) else "failed"
+        for load_id in unpack(rep.refused):
+            load = self.loads.get(load_id)
+            if load is not None and rep.rank in load.failed:
+                load.refused = True
         for load_id in {*done, *failed}:
             load = self.loads.get(load_id)
             if load is not None and len(load.done) + len(load.failed) >= self.world_size:
@@ -286,9 +292,11 @@ class KVConnectorScheduler:
         else:
             self.stats.failed += 1
             self.stats.timeouts += load.timed_out
+            self.stats.lease_refused += load.refused
         self.events["done" if ok else "failed"] += 1
         req = load.request
         if req is None:  # aborted meanwhile: nobody waits, the blocks go back
+            assert load.held_key is not None
             self.kvm.free_table(load.held_key)
             return
         del self.loading[req.request_id]
@@ -309,10 +317,10 @@ class KVConnectorScheduler:
             req.error = f"loading the prompt's KV from the prefill engine failed ({why})"
             self._failed.append(req)
 
-    def exempt_ids(self) -> set[str]:
+    def exempt_ids(self) -> set[TableKey]:
         """Block tables held outside the running set (for the invariant checks)."""
-        held = self.leases.held_keys() | {ld.held_key for ld in self.loads.values()
-                                          if ld.held_key}
+        held: set[TableKey] = set(self.leases.held_keys())
+        held |= {ld.held_key for ld in self.loads.values() if ld.held_key is not None}
         return held | set(self.aside)
 
     def trace_record(self) -> dict[str, int]:

@@ -20,6 +20,9 @@ class ConnectorStats:
         self.loaded_tokens = 0  # prompt tokens this engine pulled instead of computing
         self.failed = 0  # loads that failed on some rank (or were given up)
         self.timeouts = 0  # of those, given up after kv_transfer_timeout_s
+        # ... whose lease the prefill engine refused (unknown or guessed key, ended lease,
+        # blocks outside it); the failure policy applied to them as to any failed load
+        self.lease_refused = 0
         self.leases = 0  # prefill side: leases granted
         self.leases_expired = 0  # ... that ran out before the decode side was done
         self.leases_released = 0  # ... that the decode side ended
@@ -41,6 +44,7 @@ class ConnectorStats:
             "kv_loaded_tokens": float(self.loaded_tokens),
             "kv_transfer_failed": float(self.failed),
             "kv_transfer_timeouts": float(self.timeouts),
+            "kv_lease_refused": float(self.lease_refused),
             "kv_leases": float(self.leases),
             "kv_leases_expired": float(self.leases_expired),
             "kv_leases_released": float(self.leases_released),

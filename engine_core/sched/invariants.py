@@ -7,10 +7,11 @@ walk everything (O(blocks + requests)), so they are for debugging, not productio
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from engine_core.kv_cache.block import KVCacheBlock
 from engine_core.kv_cache.block_pool import BlockPool
+from engine_core.kv_cache.single_type_manager import TableKey
 from engine_core.request import Request, RequestStatus
 
 
@@ -48,10 +49,10 @@ def check_block_pool(pool: BlockPool, holders: Iterable[list[KVCacheBlock]]) -> 
 def check_scheduler_queues(
     running: list[Request],
     waiting: Iterable[Request],
-    req_to_blocks: dict[str, list[KVCacheBlock]],
+    req_to_blocks: Mapping[TableKey, list[KVCacheBlock]],
     block_size: int,
     max_num_seqs: int,
-    exempt: Collection[str] = (),
+    exempt: Collection[TableKey] = (),
 ) -> None:
     """``exempt``: tables held outside the running set by the KV connector (prefill leases,
     loads in flight, requests set aside while their KV arrives)."""

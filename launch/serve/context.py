@@ -151,7 +151,9 @@ class ServerContext:
             req.skip_special_tokens,
             req.priority,
             job_infos(1, req.job_id, req.is_last_step, req.tool_name),
-            kv_transfer_params=request_kv_params(req.kv_transfer_params, len(prompts) * req.n),
+            kv_transfer_params=request_kv_params(
+                req.kv_transfer_params, len(prompts) * req.n,
+                -(-self.engine.max_model_len // self.engine.block_size)),
             lora=lora,
             cache_salt=req.cache_salt,
         )

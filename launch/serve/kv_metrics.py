@@ -20,6 +20,8 @@ _COUNTERS = {
     "kv_transfers": "KV transfers every rank finished",
     "kv_transfer_failed": "KV transfers that failed or were given up",
     "kv_transfer_timeouts": "KV transfers given up after kv_transfer_timeout_s",
+    "kv_lease_refused": "KV transfers whose lease the prefill engine refused (unknown, guessed "
+                        "or ended key, blocks outside the lease)",
     "kv_loaded_tokens": "Prompt tokens whose KV was pulled instead of computed",
     "kv_leases": "Leases granted on finished prefills",
     "kv_leases_expired": "Leases that ran out before the decode engine was done",

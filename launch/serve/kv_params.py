@@ -8,16 +8,23 @@ from typing import Any
 import msgspec
 
 from launch.serve.errors import bad_request
-from protocol.kv_connector import KVTransferParams
+from protocol.kv_connector import MAX_REMOTE_BLOCKS, KVTransferParams, params_field_error
 
 
-def request_kv_params(raw: dict[str, Any] | None, num_choices: int) -> KVTransferParams | None:
+def request_kv_params(raw: dict[str, Any] | None, num_choices: int,
+                      max_blocks: int = MAX_REMOTE_BLOCKS) -> KVTransferParams | None:
+    """The request's params, checked; ``max_blocks``: the blocks a request can hold here
+    (max_model_len's), which bounds remote_block_ids."""
     if raw is None:
         return None
     try:
         params = msgspec.convert(raw, KVTransferParams)
     except msgspec.ValidationError as e:
         raise bad_request(f"kv_transfer_params: {e}", "kv_transfer_params") from e
+    bounded = params_field_error(params, max_blocks)
+    if bounded is not None:
+        field, why = bounded
+        raise bad_request(why, field)
     if not (params.do_remote_decode or params.do_remote_prefill):
         return None  # nothing asked of P/D: an ordinary request
     if num_choices != 1:

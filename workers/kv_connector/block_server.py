@@ -1,8 +1,11 @@
 """A prefill rank's block server: answers decode ranks on its own thread, so serving KV never
 waits for (or delays) this rank's steps.
 
-It serves only blocks under a lease the engine core exposed in a step diff, and refuses
-(``PEER_GONE``) once the lease ended: a block read after that may hold another request's KV.
+It serves only blocks under a lease the engine core exposed in a step diff, and only to a
+reader presenting that lease's key (128 random bits the prefill answer carries: a capability),
+and only the blocks that lease holds (``PEER_REFUSED`` otherwise, for the TCP pull and for the
+shared-memory and NIXL readers' checks alike). It refuses (``PEER_GONE``) once the lease ended:
+a block read after that may hold another request's KV.
 Leases are the core's decision; this rank only follows the diff. For the TCP pull it gathers
 the asked heads of the asked blocks into one buffer and sends it; shared memory and NIXL
 readers only ask whether the lease still holds.
@@ -26,6 +29,7 @@ from protocol.kv_peer import (
     PEER_GONE,
     PEER_NOT_YET,
     PEER_OK,
+    PEER_REFUSED,
     PeerHello,
     PeerInfo,
     PeerRead,
@@ -116,10 +120,11 @@ class BlockServer:
         with self._lock:
             held = self._exposed.get(key)
             if held is None:
-                return (PEER_GONE, f"lease {key!r} ended") if key in self._gone else (
+                # the key is not echoed back: it is a capability, and logs travel
+                return (PEER_GONE, "the lease ended") if key in self._gone else (
                     PEER_NOT_YET, "")
         if not held.issuperset(block_ids):
-            return PEER_ERROR, f"blocks outside lease {key!r}"
+            return PEER_REFUSED, "blocks outside the lease"
         return PEER_OK, ""
 
     def _read(self, ident: bytes, msg: PeerRead) -> None:

@@ -37,6 +37,11 @@ class Cancelled(PeerError):
     pass
 
 
+class LeaseRefused(PeerError):
+    """The prefill rank refused the lease the load presented: no such lease (a wrong or
+    guessed key), one that ended, or blocks it does not hold. The core counts these apart."""
+
+
 def tcp_addr(host: str, port: int) -> str:
     h = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return f"tcp://{h}:{port}"

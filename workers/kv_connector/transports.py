@@ -10,6 +10,7 @@ partial KV, which the scheduler never registers in the prefix cache.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -17,9 +18,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from protocol.codec import pack
-from protocol.kv_peer import PEER_CHECK, PEER_DATA, PEER_NOT_YET, PEER_OK, PeerInfo, PeerRead
+from protocol.kv_peer import (
+    PEER_CHECK,
+    PEER_DATA,
+    PEER_ERROR,
+    PEER_NOT_YET,
+    PEER_OK,
+    PeerInfo,
+    PeerRead,
+    PeerReply,
+)
 from workers.kv_connector.layout import HeadSlice
-from workers.kv_connector.peer import Peer, PeerError, wait_briefly
+from workers.kv_connector.peer import LeaseRefused, Peer, PeerError, wait_briefly
 from workers.kv_connector.runs import copy_blocks
 from workers.kv_connector.shm import RemoteCaches
 
@@ -27,18 +37,31 @@ Cancel = Callable[[], bool]
 CHUNK_BYTES = 8 << 20  # TCP: bytes per message (several in flight)
 WINDOW = 4  # TCP: chunk requests in flight
 NOT_YET_WAIT_S = 0.002
+# a lease the prefill rank still does not know after this long is refused: its exposing step
+# follows the prefill's last one at once, so by then the key is wrong (guessed, made up) or
+# from another engine; waiting out kv_transfer_timeout_s would only hold the blocks longer
+NOT_YET_LIMIT_S = 5.0
+
+
+def refusal(peer: Peer, reply: PeerReply) -> PeerError:
+    """The error for a reply other than PEER_OK: a refusal of the lease, or another failure."""
+    if reply.status == PEER_ERROR:
+        return PeerError(f"{peer.addr}: {reply.error or 'failed'}")
+    return LeaseRefused(f"{peer.addr}: lease refused ({reply.error or 'no such lease'})")
 
 
 def await_lease(peer: Peer, key: str, remote_ids: list[int], cancelled: Cancel) -> None:
-    """Until the prefill rank serves ``key`` (its exposing step may still be under way)."""
+    """Until the prefill rank serves ``key`` (its exposing step may still be under way), at most
+    NOT_YET_LIMIT_S."""
+    give_up = time.monotonic() + NOT_YET_LIMIT_S
     while True:
         seq = peer.next_seq()
         peer.send(PeerRead(seq=seq, key=key, block_ids=pack(remote_ids), mode=PEER_CHECK))
         reply, _ = peer.reply(seq, cancelled)
         if reply.status == PEER_OK:
             return
-        if reply.status != PEER_NOT_YET:
-            raise PeerError(f"{peer.addr}: {reply.error or 'refused'}")
+        if reply.status != PEER_NOT_YET or time.monotonic() >= give_up:
+            raise refusal(peer, reply)
         wait_briefly(cancelled, NOT_YET_WAIT_S)
 
 
@@ -103,8 +126,10 @@ class TcpTransport(Transport):
                 i = j
             seq, a, b = pending.popleft()
             reply, frames = peer.reply(seq, cancelled)
-            if reply.status != PEER_OK or len(frames) != len(caches):
-                raise PeerError(f"{peer.addr}: {reply.error or 'refused'}")
+            if reply.status != PEER_OK:
+                raise refusal(peer, reply)
+            if len(frames) != len(caches):
+                raise PeerError(f"{peer.addr} sent {len(frames)} frames for {len(caches)} caches")
             size = (b - a) * per_block // len(caches)
             for cache, frame in zip(caches, frames, strict=True):
                 buf = frame.buffer

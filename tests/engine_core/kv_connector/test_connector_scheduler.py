@@ -298,7 +298,7 @@ def test_remote_leases_are_renewed_while_waiting_and_released_once() -> None:
     from engine_core.kv_connector.loads import RemoteLeases
 
     clock = Clock()
-    leases = RemoteLeases(7.5, clock)
+    leases = RemoteLeases(30.0, clock)
     p = KVTransferParams(do_remote_prefill=True, remote_engine_id="P", remote_host="h",
                          remote_port=9, remote_request_id="k1", remote_lease_s=8.0)
     leases.hold("a", p)
