@@ -113,17 +113,50 @@ class PreparedAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 
-def read_adapter_files(path: str) -> tuple[bytes, bytes]:
+# adapter_config.json is a few hundred bytes; a megabyte is no config
+MAX_CONFIG_BYTES = 1 << 20
+# room for the safetensors header beside the tensor data: its JSON entry per tensor (name,
+# dtype, shape, offsets: ~150 bytes) and a __metadata__ block
+HEADER_BYTES_PER_TENSOR = 512
+HEADER_BYTES_EXTRA = 64 << 10
+
+
+def max_adapter_bytes(targets: list[LoRATarget], max_lora_rank: int) -> int:
+    """The largest adapter_model.safetensors a legitimate adapter for this model has: lora_A
+    [r, in] and lora_B [out, r] in float32 (the widest dtype read) for every projection at
+    ``max_lora_rank``, plus room for the header. A bigger file is refused before its data is
+    read, so a hostile file costs a stat and a header, never gigabytes."""
+    data = tensors = 0
+    for t in targets:
+        for out in t.full_out:
+            data += 4 * max_lora_rank * (t.full_in + out)
+            tensors += 2
+    return 8 + data + tensors * HEADER_BYTES_PER_TENSOR + HEADER_BYTES_EXTRA
+
+
+def _read_limited(file: str, limit: int, what: str) -> bytes:
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise LoRAAdapterError(f"{os.path.basename(file)} is {size} bytes, more than the "
+                                   f"{limit} bytes {what}")
+        return f.read(limit + 1)[: limit]
+
+
+def read_adapter_files(path: str, max_bytes: int | None = None) -> tuple[bytes, bytes]:
     """adapter_config.json's and adapter_model.safetensors' bytes (what is hashed is what is
-    loaded: the files are read once)."""
+    loaded: the files are read once). ``max_bytes``: the largest weights file accepted
+    (max_adapter_bytes), checked from the file's size before any tensor data is read."""
     from workers.lora.peft_config import check_files
 
     check_files(path)
+    limit = max_bytes if max_bytes is not None else 1 << 62
     try:
-        with open(os.path.join(path, CONFIG_NAME), "rb") as f:
-            config_bytes = f.read()
-        with open(os.path.join(path, WEIGHTS_NAME), "rb") as f:
-            weights_bytes = f.read()
+        config_bytes = _read_limited(os.path.join(path, CONFIG_NAME), MAX_CONFIG_BYTES,
+                                     "any adapter config takes")
+        weights_bytes = _read_limited(
+            os.path.join(path, WEIGHTS_NAME), limit,
+            "the largest adapter for this model at --max-lora-rank takes (the limit)")
     except OSError as e:
         raise LoRAAdapterError(f"cannot read LoRA adapter {path!r}: {e}") from None
     return config_bytes, weights_bytes
@@ -133,7 +166,8 @@ def load_adapter(lora_int_id: int, path: str, targets: list[LoRATarget], max_lor
                  dtype: torch.dtype, expected_hash: str = "") -> PreparedAdapter:
     """Read, check and slice an adapter for this rank; LoRAAdapterError names what is refused.
     ``expected_hash``: the engine core's content hash ("" skips the check)."""
-    config_bytes, weights_bytes = read_adapter_files(path)
+    config_bytes, weights_bytes = read_adapter_files(
+        path, max_adapter_bytes(targets, max_lora_rank))
     digest = content_hash_of(config_bytes, weights_bytes)
     if expected_hash and digest != expected_hash:
         raise LoRAAdapterError(
@@ -146,6 +180,13 @@ def load_adapter(lora_int_id: int, path: str, targets: list[LoRATarget], max_lor
         tensors = load_safetensors(weights_bytes)
     except Exception as e:  # noqa: BLE001 - the library's own errors name no field
         raise LoRAAdapterError(f"{WEIGHTS_NAME} is corrupt: {e}") from None
+    # a NaN or inf weight would turn every logit of its requests into NaN (and a batch's
+    # sampling with them): refused here, where the file is read, naming the tensor
+    for m in spec.modules.values():
+        for name in (m.a_name, m.b_name):
+            if not bool(torch.isfinite(tensors[name]).all()):
+                raise LoRAAdapterError(f"{WEIGHTS_NAME}: tensor {name} holds non-finite "
+                                       "values (NaN or inf)")
     weights = {}
     for t in targets:
         mods = [spec.modules.get(t.module(p)) for p in t.projections]
@@ -178,6 +219,10 @@ def _slice_target(t: LoRATarget, mods: list[ModuleSpec | None],
         a[j, : m.rank] = lora_a.to(dtype)
         lo = t.offsets[j]
         b[lo : lo + lora_b.shape[0], : m.rank] = lora_b.to(dtype)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        # finite in the file, but the scaling or the model dtype's range made them inf
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: the weights of {t.module(t.projections[0])} "
+                               f"({t.linear_name}) overflow {dtype} once scaled")
     return TargetWeights(a, b)
 
 

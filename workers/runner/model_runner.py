@@ -280,6 +280,20 @@ class ModelRunner:
             return "LoRA is not enabled on this worker (--enable-lora)"
         return self.lora.prepare(lora, content_hash)
 
+    def begin_prepare_lora(self, lora: LoRARequest, content_hash: str) -> Future[Any]:
+        """PrepareLoRA off the step loop: a future for finish_prepare_lora."""
+        fut: Future[Any] = Future()
+        if self.lora is None:
+            fut.set_exception(RuntimeError("LoRA is not enabled on this worker (--enable-lora)"))
+            return fut
+        return self.lora.begin_prepare(lora, content_hash)
+
+    def finish_prepare_lora(self, lora: LoRARequest, fut: Future[Any], keep: bool = True) -> str:
+        """The answer to PrepareLoRA once ``fut`` is done: the refusal, or ""."""
+        if self.lora is None:
+            return "LoRA is not enabled on this worker (--enable-lora)"
+        return self.lora.finish_prepare(lora, fut, keep)
+
     def drop_lora(self, lora_int_id: int) -> None:
         if self.lora is not None:
             self.lora.drop(lora_int_id)
