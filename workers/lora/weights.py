@@ -19,13 +19,20 @@ float32 before rounding to the model dtype.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as load_safetensors
 
 from protocol.lora_files import CONFIG_NAME, WEIGHTS_NAME, content_hash_of
-from workers.lora.peft_config import LoRAAdapterError, ModuleSpec, check_adapter, parse_header
+from workers.lora.peft_config import (
+    AdapterSpec,
+    LoRAAdapterError,
+    ModuleSpec,
+    check_adapter,
+    parse_header,
+)
 
 _LINEAR = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
@@ -134,48 +141,55 @@ def max_adapter_bytes(targets: list[LoRATarget], max_lora_rank: int) -> int:
     return 8 + data + tensors * HEADER_BYTES_PER_TENSOR + HEADER_BYTES_EXTRA
 
 
-def _read_limited(file: str, limit: int, what: str) -> bytes:
-    with open(file, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise LoRAAdapterError(f"{os.path.basename(file)} is {size} bytes, more than the "
-                                   f"{limit} bytes {what}")
-        return f.read(limit + 1)[: limit]
+def _too_big(size: int, limit: int) -> LoRAAdapterError:
+    return LoRAAdapterError(f"{WEIGHTS_NAME} is {size} bytes, more than the {limit} bytes the "
+                            "largest adapter for this model at --max-lora-rank takes (the "
+                            "limit)")
 
 
-def read_adapter_files(path: str, max_bytes: int | None = None) -> tuple[bytes, bytes]:
+def read_adapter(path: str, max_bytes: int, max_lora_rank: int,
+                 model_modules: set[str]) -> tuple[bytes, bytes, AdapterSpec]:
     """adapter_config.json's and adapter_model.safetensors' bytes (what is hashed is what is
-    loaded: the files are read once). ``max_bytes``: the largest weights file accepted
-    (max_adapter_bytes), checked from the file's size before any tensor data is read."""
+    loaded: the files are read once) and the adapter checked from the config and the
+    safetensors header. The header is read and checked, and the file's size held against
+    ``max_bytes`` (max_adapter_bytes), before any tensor data is read."""
     from workers.lora.peft_config import check_files
 
     check_files(path)
-    limit = max_bytes if max_bytes is not None else 1 << 62
     try:
-        config_bytes = _read_limited(os.path.join(path, CONFIG_NAME), MAX_CONFIG_BYTES,
-                                     "any adapter config takes")
-        weights_bytes = _read_limited(
-            os.path.join(path, WEIGHTS_NAME), limit,
-            "the largest adapter for this model at --max-lora-rank takes (the limit)")
+        with open(os.path.join(path, CONFIG_NAME), "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_CONFIG_BYTES:
+                raise LoRAAdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
+            config_bytes = f.read(MAX_CONFIG_BYTES)
+        with open(os.path.join(path, WEIGHTS_NAME), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            if 8 + n > max_bytes:
+                raise _too_big(max(size, 8 + n), max_bytes)
+            head += f.read(min(n, max(size - 8, 0)))
+            spec = check_adapter(path, max_lora_rank, model_modules, config_bytes,
+                                 parse_header(head, size))
+            if size > max_bytes:  # checked first, this adapter's own faults are named above
+                raise _too_big(size, max_bytes)
+            weights_bytes = head + f.read(size - len(head))
     except OSError as e:
         raise LoRAAdapterError(f"cannot read LoRA adapter {path!r}: {e}") from None
-    return config_bytes, weights_bytes
+    return config_bytes, weights_bytes, spec
 
 
 def load_adapter(lora_int_id: int, path: str, targets: list[LoRATarget], max_lora_rank: int,
                  dtype: torch.dtype, expected_hash: str = "") -> PreparedAdapter:
     """Read, check and slice an adapter for this rank; LoRAAdapterError names what is refused.
     ``expected_hash``: the engine core's content hash ("" skips the check)."""
-    config_bytes, weights_bytes = read_adapter_files(
-        path, max_adapter_bytes(targets, max_lora_rank))
+    names = {t.module(p) for t in targets for p in t.projections}
+    config_bytes, weights_bytes, spec = read_adapter(
+        path, max_adapter_bytes(targets, max_lora_rank), max_lora_rank, names)
     digest = content_hash_of(config_bytes, weights_bytes)
     if expected_hash and digest != expected_hash:
         raise LoRAAdapterError(
             f"LoRA adapter {path!r} changed on disk since it was registered (content hash "
             f"{digest[:12]}... != {expected_hash[:12]}...); load it again under a new name")
-    header = parse_header(weights_bytes, len(weights_bytes))
-    names = {t.module(p) for t in targets for p in t.projections}
-    spec = check_adapter(path, max_lora_rank, names, config_bytes, header)
     try:
         tensors = load_safetensors(weights_bytes)
     except Exception as e:  # noqa: BLE001 - the library's own errors name no field
