@@ -24,7 +24,7 @@ from workers.runner.input_batch import InputBatch
 from workers.runner.input_staging import InputStaging, unstaged_inputs
 from workers.runner.memory_profile import KVCachePlan, plan_for_model
 from workers.runner.pending_tokens import fill_input_ids, pending_span, reserve, resolve
-from workers.runner.request_guard import failed_fields, take_failed
+from workers.runner.request_guard import fail_nonfinite_rows, failed_fields, take_failed
 from workers.runner.request_state import unpack_i32
 from workers.runner.step_flight import InFlightStep, PreparedStep
 from workers.runner.step_sample import StepTokens, sample_step
@@ -419,7 +419,12 @@ class ModelRunner:
             self.token_copy.ready(transfer, out.spec.token_ids, out.spec.logprobs)
             return flight
         reserve(batch, inputs)
-        self.token_copy.start(transfer, out.tokens, out.logprobs)
+        host_tokens = out.tokens
+        if out.nonfinite is not None and out.tokens is not None:
+            # the device keeps a valid placeholder (the next step's inputs read it); the host
+            # copy marks the row -1 so finish() fails its request, with no extra sync here
+            host_tokens = torch.where(out.nonfinite, -1, out.tokens)
+        self.token_copy.start(transfer, host_tokens, out.logprobs)
         self._in_flight_tokens = out.tokens
         flight.overlappable = True
         return flight
@@ -439,6 +444,7 @@ class ModelRunner:
             batch.update_after_step(inputs, sampled, counts)
         else:
             assert sampled is not None
+            fail_nonfinite_rows(batch, flight.handles, sampled)
             resolve(batch, sampled, self._parked)
         self._parked.clear()
         self._in_flight_tokens = None
