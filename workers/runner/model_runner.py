@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,6 @@ from workers.runner.token_copy import TokenCopy
 from workers.sample.sampler import Sampler, tokens_checksum
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
 
     from protocol.lora import LoRARequest
     from protocol.structured import StructuredOutputsParams
