@@ -129,6 +129,10 @@ class Worker:
         # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them):
         # ticket -> (compile, cache key, grammar id)
         self.grammar_tickets: dict[int, tuple[Future[Any], tuple[str, str], int]] = {}
+        # PrepareLoRA reads still in flight on a helper thread (no step waits on them; a
+        # hostile or huge file costs that thread, never the step loop): adapter id ->
+        # (read, the request, still wanted: False once DropLoRA came meanwhile)
+        self.lora_tickets: dict[int, tuple[Future[Any], PrepareLoRA, bool]] = {}
         # worker overlap (workers/overlap.py): the launched step whose tokens are not sent yet
         self.overlap = worker_overlap_on(config, self.runner.device.type)
         self.in_flight: InFlightStep | None = None
@@ -176,7 +180,7 @@ class Worker:
         last_heard = time.monotonic()
         silence_limit = CORE_STARTUP_SILENCE_S
         while True:
-            timeout = GRAMMAR_POLL_MS if self.grammar_tickets else POLL_MS
+            timeout = GRAMMAR_POLL_MS if self.grammar_tickets or self.lora_tickets else POLL_MS
             t0 = time.perf_counter()
             if self.in_flight is not None:
                 # the next diff while the device runs the step in flight, else finish that
@@ -189,6 +193,8 @@ class Worker:
                 continue
             if self.grammar_tickets:
                 self.answer_grammars()
+            if self.lora_tickets:
+                self.answer_loras()
             now = time.monotonic()
             if frame is None:
                 if os.getppid() != parent:
@@ -237,7 +243,7 @@ class Worker:
             elif isinstance(msg, PrepareLoRA):
                 self.prepare_lora(msg)
             elif isinstance(msg, DropLoRA):
-                self.runner.drop_lora(msg.lora_int_id)
+                self.drop_lora(msg.lora_int_id)
 
     def answer_grammars(self) -> None:
         """Tell the core which of its grammars this rank has compiled (or failed to), with
@@ -264,10 +270,27 @@ class Worker:
             del self.grammar_tickets[ticket]
 
     def prepare_lora(self, msg: PrepareLoRA) -> None:
-        """Read, check and slice the adapter now (a rare event: the steps queued behind it
-        wait for the read) and answer; a refused adapter is an answer, never a crash."""
-        error = self.runner.prepare_lora(msg.lora, msg.content_hash)
-        self.send(LoRAReady(rank=self.rank, lora_int_id=msg.lora.lora_int_id, error=error))
+        """Start reading, checking and slicing the adapter on a helper thread; the step loop
+        answers once it is done (answer_loras). A refused adapter is an answer, never a
+        crash."""
+        fut = self.runner.begin_prepare_lora(msg.lora, msg.content_hash)
+        self.lora_tickets[msg.lora.lora_int_id] = (fut, msg, True)
+        self.answer_loras()  # held in host memory already: ready at once
+
+    def answer_loras(self) -> None:
+        """Answer every PrepareLoRA whose read is done. A read dropped meanwhile is still
+        answered (the core counts that answer as stale) but its adapter is not kept."""
+        done = [i for i, (f, _, _) in self.lora_tickets.items() if f.done()]
+        for lora_int_id in done:
+            fut, msg, wanted = self.lora_tickets.pop(lora_int_id)
+            error = self.runner.finish_prepare_lora(msg.lora, fut, keep=wanted)
+            self.send(LoRAReady(rank=self.rank, lora_int_id=lora_int_id, error=error))
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        ticket = self.lora_tickets.get(lora_int_id)
+        if ticket is not None:
+            self.lora_tickets[lora_int_id] = (ticket[0], ticket[1], False)
+        self.runner.drop_lora(lora_int_id)
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:

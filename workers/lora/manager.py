@@ -15,7 +15,11 @@ Per step, in the runner's order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -33,11 +37,16 @@ from workers.parallel.distributed import tp_all_reduce_min
 from workers.runner.block_table import StateMismatchError
 
 if TYPE_CHECKING:
+    from workers.lora.weights import PreparedAdapter
     from workers.runner.input_batch import BatchInputs, CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LORA_RANK = 16  # max_lora_rank None (no --max-lora-rank and no start-up adapters)
+# TEST-ONLY: a path; an adapter read waits (at most LOAD_GATE_TIMEOUT_S) until it exists, so
+# the suite can hold a load in flight and count the steps that run meanwhile. Unset in real use.
+LOAD_GATE_ENV = "TANDEM_FAULT_LORA_LOAD_GATE"
+LOAD_GATE_TIMEOUT_S = 60.0
 
 
 def slot_rank(config: EngineConfig) -> int:
@@ -74,6 +83,8 @@ class LoRAManager:
         self.profile_tokens = (config.max_num_batched_tokens
                                or default_max_batched_tokens(device.type))
         batch.lora_slot_of = self.slot_of
+        # one adapter read at a time, off the step loop (a hostile file costs that thread)
+        self._read_lock = threading.Lock()
         # adapter id -> why its latest slot op failed on some rank (its requests fail)
         self.failed: dict[int, str] = {}
         self._changed: set[int] = set()  # slots this step's ops touched
@@ -87,17 +98,41 @@ class LoRAManager:
     # ------------------------------------------------------------------ adapters
 
     def prepare(self, lora: LoRARequest, content_hash: str) -> str:
-        """PrepareLoRA: read, check and slice into the host cache; the refusal, or ""."""
+        """PrepareLoRA, waited for: read, check and slice into the host cache; the refusal,
+        or ""."""
+        return self.finish_prepare(lora, self.begin_prepare(lora, content_hash))
+
+    def begin_prepare(self, lora: LoRARequest, content_hash: str) -> Future[PreparedAdapter | None]:
+        """PrepareLoRA: read, check and slice the adapter on a helper thread (the step loop
+        goes on; it polls the future and hands it to finish_prepare). The result is None when
+        this very content is in host memory already."""
+        fut: Future[PreparedAdapter | None] = Future()
         held = self.slots.host.get(lora.lora_int_id)
         if held is not None and content_hash and held.content_hash == content_hash:
-            return ""  # this very content is in host memory already
+            fut.set_result(None)
+            return fut
+        _run_daemon(fut, lambda: self._read(lora, content_hash))
+        return fut
+
+    def _read(self, lora: LoRARequest, content_hash: str) -> PreparedAdapter:
+        with self._read_lock:
+            _wait_for_gate()
+            return self.slots.read(lora.lora_int_id, lora.lora_path, content_hash)
+
+    def finish_prepare(self, lora: LoRARequest, fut: Future[PreparedAdapter | None],
+                       keep: bool = True) -> str:
+        """On the step loop, once ``fut`` is done: keep the adapter in host memory (unless
+        ``keep`` is False: it was dropped meanwhile) and say why it was refused, or ""."""
         try:
-            self.slots.load(lora.lora_int_id, lora.lora_path, content_hash)
+            ad = fut.result()
         except LoRAAdapterError as e:
             return f"LoRA adapter {lora.lora_name!r}: {e}"
         except Exception as e:  # noqa: BLE001 - a bad adapter fails itself, never the rank
-            logger.exception("preparing LoRA adapter %r failed", lora.lora_name)
+            logger.error("preparing LoRA adapter %r failed: %s: %s", lora.lora_name,
+                         type(e).__name__, e)
             return f"LoRA adapter {lora.lora_name!r}: {type(e).__name__}: {e}"
+        if ad is not None and keep:
+            self.slots.keep(ad)
         return ""
 
     def drop(self, lora_int_id: int) -> None:
@@ -194,3 +229,26 @@ class LoRAManager:
             yield
         finally:
             self.state.groups = None
+
+
+def _run_daemon(fut: Future, fn: Callable[[], object]) -> None:
+    """Run ``fn`` on a daemon thread into ``fut``: a read stuck on a bad file system must not
+    keep a rank's process from exiting (a pool's threads are joined at exit)."""
+    def work() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the step loop via the future
+            fut.set_exception(e)
+
+    threading.Thread(target=work, name="lora-read", daemon=True).start()
+
+
+def _wait_for_gate() -> None:
+    gate = os.environ.get(LOAD_GATE_ENV)
+    if not gate:
+        return
+    deadline = time.monotonic() + LOAD_GATE_TIMEOUT_S
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)

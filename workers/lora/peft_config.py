@@ -23,6 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from protocol.lora_files import CONFIG_NAME, WEIGHTS_NAME
+from workers.lora import patterns as _patterns
 
 # the projections LoRA may target, and the block each lives in (the HF module names)
 PROJECTIONS: dict[str, str] = {
@@ -31,6 +32,8 @@ PROJECTIONS: dict[str, str] = {
 }
 _EMBEDDINGS = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_out")
 _MOE = ("experts", "block_sparse_moe", "w1", "w2", "w3", "gate", "router", "shared_expert")
+# more keys than a model has modules is no adapter; each key costs a match per module
+MAX_PATTERN_KEYS = 1024
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)")
 _SUPPORTED = ", ".join(PROJECTIONS)
@@ -95,9 +98,10 @@ class PeftLoRAConfig:
 
 def _pattern_key(patterns: dict, module: str) -> str:
     """The first key of rank_pattern / alpha_pattern that names ``module`` as PEFT matches it:
-    the key is a regex that must match a dotted suffix of the module's full name."""
+    the key is a regex that must match a dotted suffix of the module's full name (checked by
+    parse_config to match in bounded time)."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
+        if _patterns.key_matches(key, module):
             return key
     return module
 
@@ -176,11 +180,11 @@ def parse_config(data: bytes) -> PeftLoRAConfig:
     alpha_pattern = {str(k): _number(v, f"alpha_pattern[{k!r}]")
                      for k, v in _mapping(d.get("alpha_pattern"), "alpha_pattern").items()}
     for name, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if len(pattern) > MAX_PATTERN_KEYS:
+            raise LoRAAdapterError(f"{CONFIG_NAME}: {name} has {len(pattern)} keys, more than "
+                                   f"{MAX_PATTERN_KEYS}")
         for key in pattern:
-            try:
-                re.compile(key)
-            except re.error as e:
-                raise LoRAAdapterError(f"{name} key {key!r} is not a valid regex: {e}") from None
+            _check_pattern(key, f"{name} key")
     return PeftLoRAConfig(r=r, lora_alpha=alpha, use_rslora=bool(d.get("use_rslora", False)),
                           rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
                           target_modules=_target_modules(d.get("target_modules")))
@@ -212,11 +216,8 @@ def _target_modules(v: object) -> tuple[str, ...] | str | None:
     if v is None:
         return v
     if isinstance(v, str):
-        try:
-            re.compile(v)
-        except re.error as e:
-            raise LoRAAdapterError(f"{CONFIG_NAME}: target_modules {v!r} is not a valid "
-                                   f"regex: {e}") from None
+        if v != "all-linear":
+            _check_pattern(v, "target_modules")
         return v
     if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
         raise LoRAAdapterError(f"{CONFIG_NAME}: target_modules must be a list of names or a "
@@ -227,6 +228,14 @@ def _target_modules(v: object) -> tuple[str, ...] | str | None:
             continue
         raise LoRAAdapterError(f"{CONFIG_NAME}: target_modules names {t!r}: {_why_not(leaf)}")
     return tuple(v)
+
+
+def _check_pattern(pattern: str, field: str) -> None:
+    """A hostile config must not hang whoever matches its patterns: refuse, naming the
+    pattern, what patterns.py cannot match in bounded time."""
+    why = _patterns.why_refused(pattern)
+    if why is not None:
+        raise LoRAAdapterError(f"{CONFIG_NAME}: {field} {pattern[:80]!r} is refused: {why}")
 
 
 def _why_not(leaf: str) -> str:
@@ -373,7 +382,7 @@ def _targeted(targets: tuple[str, ...] | str | None, module: str) -> bool:
     if targets is None:
         return True
     if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, module) is not None
+        return targets == "all-linear" or _patterns.fullmatch(targets, module)
     return any(t == "all-linear" or module == t or module.endswith("." + t) for t in targets)
 
 

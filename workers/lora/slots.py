@@ -110,10 +110,20 @@ class LoRASlots:
 
     def load(self, lora_int_id: int, path: str, content_hash: str) -> PreparedAdapter:
         """Read, check and slice an adapter into the host cache (LoRAAdapterError if refused)."""
+        return self.keep(self.read(lora_int_id, path, content_hash))
+
+    def read(self, lora_int_id: int, path: str, content_hash: str) -> PreparedAdapter:
+        """Read, check and slice an adapter without touching this object's state: safe on a
+        helper thread beside the step loop (LoRAAdapterError if refused)."""
         ad = load_adapter(lora_int_id, path, self.targets, self.rank, self.dtype, content_hash)
         if self.pin:
             for w in ad.weights.values():
                 w.a, w.b = w.a.pin_memory(), w.b.pin_memory()
+        return ad
+
+    def keep(self, ad: PreparedAdapter) -> PreparedAdapter:
+        """Put a read adapter into the host cache (on the step loop)."""
+        lora_int_id = ad.lora_int_id
         self.host[lora_int_id] = ad
         self.host.move_to_end(lora_int_id)
         while len(self.host) > self.max_cpu_loras:

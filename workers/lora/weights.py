@@ -19,13 +19,20 @@ float32 before rounding to the model dtype.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as load_safetensors
 
 from protocol.lora_files import CONFIG_NAME, WEIGHTS_NAME, content_hash_of
-from workers.lora.peft_config import LoRAAdapterError, ModuleSpec, check_adapter, parse_header
+from workers.lora.peft_config import (
+    AdapterSpec,
+    LoRAAdapterError,
+    ModuleSpec,
+    check_adapter,
+    parse_header,
+)
 
 _LINEAR = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
@@ -113,39 +120,87 @@ class PreparedAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
 
 
-def read_adapter_files(path: str) -> tuple[bytes, bytes]:
+# adapter_config.json is a few hundred bytes; a megabyte is no config
+MAX_CONFIG_BYTES = 1 << 20
+# room for the safetensors header beside the tensor data: its JSON entry per tensor (name,
+# dtype, shape, offsets: ~150 bytes) and a __metadata__ block
+HEADER_BYTES_PER_TENSOR = 512
+HEADER_BYTES_EXTRA = 64 << 10
+
+
+def max_adapter_bytes(targets: list[LoRATarget], max_lora_rank: int) -> int:
+    """The largest adapter_model.safetensors a legitimate adapter for this model has: lora_A
+    [r, in] and lora_B [out, r] in float32 (the widest dtype read) for every projection at
+    ``max_lora_rank``, plus room for the header. A bigger file is refused before its data is
+    read, so a hostile file costs a stat and a header, never gigabytes."""
+    data = tensors = 0
+    for t in targets:
+        for out in t.full_out:
+            data += 4 * max_lora_rank * (t.full_in + out)
+            tensors += 2
+    return 8 + data + tensors * HEADER_BYTES_PER_TENSOR + HEADER_BYTES_EXTRA
+
+
+def _too_big(size: int, limit: int) -> LoRAAdapterError:
+    return LoRAAdapterError(f"{WEIGHTS_NAME} is {size} bytes, more than the {limit} bytes the "
+                            "largest adapter for this model at --max-lora-rank takes (the "
+                            "limit)")
+
+
+def read_adapter(path: str, max_bytes: int, max_lora_rank: int,
+                 model_modules: set[str]) -> tuple[bytes, bytes, AdapterSpec]:
     """adapter_config.json's and adapter_model.safetensors' bytes (what is hashed is what is
-    loaded: the files are read once)."""
+    loaded: the files are read once) and the adapter checked from the config and the
+    safetensors header. The header is read and checked, and the file's size held against
+    ``max_bytes`` (max_adapter_bytes), before any tensor data is read."""
     from workers.lora.peft_config import check_files
 
     check_files(path)
     try:
         with open(os.path.join(path, CONFIG_NAME), "rb") as f:
-            config_bytes = f.read()
+            if os.fstat(f.fileno()).st_size > MAX_CONFIG_BYTES:
+                raise LoRAAdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
+            config_bytes = f.read(MAX_CONFIG_BYTES)
         with open(os.path.join(path, WEIGHTS_NAME), "rb") as f:
-            weights_bytes = f.read()
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            if 8 + n > max_bytes:
+                raise _too_big(max(size, 8 + n), max_bytes)
+            head += f.read(min(n, max(size - 8, 0)))
+            spec = check_adapter(path, max_lora_rank, model_modules, config_bytes,
+                                 parse_header(head, size))
+            if size > max_bytes:  # checked first, this adapter's own faults are named above
+                raise _too_big(size, max_bytes)
+            weights_bytes = head + f.read(size - len(head))
     except OSError as e:
         raise LoRAAdapterError(f"cannot read LoRA adapter {path!r}: {e}") from None
-    return config_bytes, weights_bytes
+    return config_bytes, weights_bytes, spec
 
 
 def load_adapter(lora_int_id: int, path: str, targets: list[LoRATarget], max_lora_rank: int,
                  dtype: torch.dtype, expected_hash: str = "") -> PreparedAdapter:
     """Read, check and slice an adapter for this rank; LoRAAdapterError names what is refused.
     ``expected_hash``: the engine core's content hash ("" skips the check)."""
-    config_bytes, weights_bytes = read_adapter_files(path)
+    names = {t.module(p) for t in targets for p in t.projections}
+    config_bytes, weights_bytes, spec = read_adapter(
+        path, max_adapter_bytes(targets, max_lora_rank), max_lora_rank, names)
     digest = content_hash_of(config_bytes, weights_bytes)
     if expected_hash and digest != expected_hash:
         raise LoRAAdapterError(
             f"LoRA adapter {path!r} changed on disk since it was registered (content hash "
             f"{digest[:12]}... != {expected_hash[:12]}...); load it again under a new name")
-    header = parse_header(weights_bytes, len(weights_bytes))
-    names = {t.module(p) for t in targets for p in t.projections}
-    spec = check_adapter(path, max_lora_rank, names, config_bytes, header)
     try:
         tensors = load_safetensors(weights_bytes)
     except Exception as e:  # noqa: BLE001 - the library's own errors name no field
         raise LoRAAdapterError(f"{WEIGHTS_NAME} is corrupt: {e}") from None
+    # a NaN or inf weight would turn every logit of its requests into NaN (and a batch's
+    # sampling with them): refused here, where the file is read, naming the tensor
+    for m in spec.modules.values():
+        for name in (m.a_name, m.b_name):
+            if not bool(torch.isfinite(tensors[name]).all()):
+                raise LoRAAdapterError(f"{WEIGHTS_NAME}: tensor {name} holds non-finite "
+                                       "values (NaN or inf)")
     weights = {}
     for t in targets:
         mods = [spec.modules.get(t.module(p)) for p in t.projections]
@@ -178,6 +233,10 @@ def _slice_target(t: LoRATarget, mods: list[ModuleSpec | None],
         a[j, : m.rank] = lora_a.to(dtype)
         lo = t.offsets[j]
         b[lo : lo + lora_b.shape[0], : m.rank] = lora_b.to(dtype)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        # finite in the file, but the scaling or the model dtype's range made them inf
+        raise LoRAAdapterError(f"{WEIGHTS_NAME}: the weights of {t.module(t.projections[0])} "
+                               f"({t.linear_name}) overflow {dtype} once scaled")
     return TargetWeights(a, b)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from workers.runner.input_batch import InputBatch
 from workers.runner.input_staging import InputStaging, unstaged_inputs
 from workers.runner.memory_profile import KVCachePlan, plan_for_model
 from workers.runner.pending_tokens import fill_input_ids, pending_span, reserve, resolve
-from workers.runner.request_guard import failed_fields, take_failed
+from workers.runner.request_guard import fail_nonfinite_rows, failed_fields, take_failed
 from workers.runner.request_state import unpack_i32
 from workers.runner.step_flight import InFlightStep, PreparedStep
 from workers.runner.step_sample import StepTokens, sample_step
@@ -32,7 +33,6 @@ from workers.runner.token_copy import TokenCopy
 from workers.sample.sampler import Sampler, tokens_checksum
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
 
     from protocol.lora import LoRARequest
     from protocol.structured import StructuredOutputsParams
@@ -280,6 +280,20 @@ class ModelRunner:
             return "LoRA is not enabled on this worker (--enable-lora)"
         return self.lora.prepare(lora, content_hash)
 
+    def begin_prepare_lora(self, lora: LoRARequest, content_hash: str) -> Future[Any]:
+        """PrepareLoRA off the step loop: a future for finish_prepare_lora."""
+        fut: Future[Any] = Future()
+        if self.lora is None:
+            fut.set_exception(RuntimeError("LoRA is not enabled on this worker (--enable-lora)"))
+            return fut
+        return self.lora.begin_prepare(lora, content_hash)
+
+    def finish_prepare_lora(self, lora: LoRARequest, fut: Future[Any], keep: bool = True) -> str:
+        """The answer to PrepareLoRA once ``fut`` is done: the refusal, or ""."""
+        if self.lora is None:
+            return "LoRA is not enabled on this worker (--enable-lora)"
+        return self.lora.finish_prepare(lora, fut, keep)
+
     def drop_lora(self, lora_int_id: int) -> None:
         if self.lora is not None:
             self.lora.drop(lora_int_id)
@@ -405,7 +419,12 @@ class ModelRunner:
             self.token_copy.ready(transfer, out.spec.token_ids, out.spec.logprobs)
             return flight
         reserve(batch, inputs)
-        self.token_copy.start(transfer, out.tokens, out.logprobs)
+        host_tokens = out.tokens
+        if out.nonfinite is not None and out.tokens is not None:
+            # the device keeps a valid placeholder (the next step's inputs read it); the host
+            # copy marks the row -1 so finish() fails its request, with no extra sync here
+            host_tokens = torch.where(out.nonfinite, -1, out.tokens)
+        self.token_copy.start(transfer, host_tokens, out.logprobs)
         self._in_flight_tokens = out.tokens
         flight.overlappable = True
         return flight
@@ -425,6 +444,7 @@ class ModelRunner:
             batch.update_after_step(inputs, sampled, counts)
         else:
             assert sampled is not None
+            fail_nonfinite_rows(batch, flight.handles, sampled)
             resolve(batch, sampled, self._parked)
         self._parked.clear()
         self._in_flight_tokens = None

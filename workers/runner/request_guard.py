@@ -69,3 +69,22 @@ def failed_fields(failed: tuple[np.ndarray, list[str]] | None) -> dict[str, Any]
     if failed is None:
         return {}
     return {"failed_handles": pack(failed[0]), "failed_reasons": failed[1]}
+
+
+NONFINITE_REASON = ("the model's logits for this request are not finite (NaN or inf): it has "
+                    "no distribution to sample from")
+
+
+def fail_nonfinite_rows(batch: Any, handles: np.ndarray | None, sampled: np.ndarray) -> None:
+    """The sampler marks a row whose logits were NaN / +inf with token -1 in the host copy:
+    fail that row's request alone (the engine core drops its token) and put the placeholder
+    0 in its place, as on the device. Every rank saw the same logits: the same rows fail."""
+    if not len(sampled):
+        return
+    bad = np.flatnonzero(sampled < 0)
+    if not len(bad):
+        return
+    assert handles is not None
+    for row in bad.tolist():
+        batch.failed[int(handles[row])] = NONFINITE_REASON
+    sampled[bad] = 0

@@ -29,6 +29,7 @@ class StepTokens:
     tokens: torch.Tensor | None = None  # [S] on the device, sampling order (plain steps)
     logprobs: torch.Tensor | None = None  # [S] float, when any request asked
     spec: SpecOutput | None = None  # host arrays (steps that verify drafts)
+    nonfinite: torch.Tensor | None = None  # [S] bool: rows with NaN / +inf logits (sampler)
 
 
 def sample_step(model: LlamaForCausalLM, sampler: Sampler, batch: InputBatch,
@@ -57,4 +58,4 @@ def sample_step(model: LlamaForCausalLM, sampler: Sampler, batch: InputBatch,
     if drafts is not None:
         return StepTokens(spec=sample_with_drafts(sampler, logits, drafts, md))
     out = sampler(logits, md)
-    return StepTokens(out.token_ids, out.logprobs)
+    return StepTokens(out.token_ids, out.logprobs, nonfinite=out.nonfinite)

@@ -77,6 +77,9 @@ class SamplingMetadata:
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor | None  # [N] float32, logprob of each token under processed logits
+    # [N] bool: rows whose logits held NaN or +inf (their token is 0, a placeholder; the
+    # runner fails their requests); None where the check did not run
+    nonfinite: torch.Tensor | None = None
 
 
 class Sampler:
@@ -95,11 +98,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         n = logits.shape[0]
+        bad = nonfinite_rows(logits)
         greedy = md.temperature <= GREEDY_EPS
         if greedy.all():
-            tokens = _argmax(logits)
+            tokens = torch.where(bad, 0, _argmax(logits))
             lp = gather_logprobs(logits, tokens) if md.need_logprobs else None
-            return SamplerOutput(tokens, lp)
+            return SamplerOutput(tokens, lp, bad)
 
         rand_rows = np.flatnonzero(~greedy)
         sub = md.select(rand_rows)
@@ -113,12 +117,15 @@ class Sampler:
             # Greedy rows take argmax and consume no randomness.
             tokens = _argmax(logits)
             tokens[to_device(rand_rows, self.device)] = rand_tokens
+        # a NaN row's draw ends past the vocabulary (-513); its token must stay in range, for
+        # the logprobs' gather and the next step's embedding (the runner fails the request)
+        tokens = torch.where(bad, 0, tokens)
         lp = None
         if md.need_logprobs:
             lp = gather_logprobs(logits, tokens)
             idx = to_device(rand_rows, self.device)
-            lp[idx] = gather_logprobs(x, rand_tokens)
-        return SamplerOutput(tokens, lp)
+            lp[idx] = gather_logprobs(x, tokens[idx])
+        return SamplerOutput(tokens, lp, bad)
 
     def random(self, md: SamplingMetadata, lanes: int) -> torch.Tensor:
         """U[0, 1) [N, lanes] for the rows of ``md``, one launch for the whole batch.
@@ -137,6 +144,16 @@ class Sampler:
         if not seeded.all():
             self.shared_draws += 1
         return counter_uniforms(to_device(keys, self.device), lanes)
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N] bool: rows holding NaN or +inf, which give no distribution to sample from (a bad
+    adapter or weights). One pass over the logits, on the device, no sync: a row's sum is NaN
+    or +inf exactly then (-inf, a masked token, keeps the sum finite or -inf; a sum overflowing
+    to +inf needs logits near 1e34, no distribution either). Every TP rank holds the same
+    logits, so every rank flags the same rows."""
+    s = logits.sum(dim=-1)
+    return torch.isnan(s) | torch.isposinf(s)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
