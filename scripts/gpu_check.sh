@@ -65,7 +65,7 @@ bench() {  # name, script, args...: the JSON line of a benchmark, or null
 parts=()
 parts+=("$(run_tests cuda_e2e 150 tests/e2e/test_cuda_path.py)")
 # the Triton tests on CUDA tensors: the interpreter off (its conftest sets it only without CUDA)
-parts+=("$(TRITON_INTERPRET=0 run_tests triton_cuda 90 tests/workers/triton)")
+parts+=("$(TRITON_INTERPRET=0 run_tests triton_cuda 150 tests/workers/triton)")
 parts+=("$(run_tests hf_parity 60 tests/workers/model/test_model_hf_parity.py)")
 parts+=("$(run_tests compile_check 60 tests/scripts/test_compile_check.py)")
 W=(--num-prompts 256 --input-len 512 --output-len 128)

@@ -17,6 +17,7 @@ while any request uses the adapter. A base-model request never comes here.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -46,6 +47,8 @@ INT32_MAX = 2**31 - 1  # adapter ids travel as packed int32 in the step diff
 
 NOT_ENABLED = ("LoRA adapters are not enabled: start the engine with --enable-lora "
                "(enable_lora=True)")
+
+logger = logging.getLogger("tandem.lora")
 
 
 class State(enum.Enum):
@@ -137,8 +140,9 @@ class LoRARegistry:
         if a is not None:
             known = a.lora
             if known.lora_name != lora.lora_name or known.lora_path != lora.lora_path:
-                return (f"LoRA id {lid} is registered for adapter {known.lora_name!r} at "
-                        f"{known.lora_path!r}, not {lora.lora_name!r} at {lora.lora_path!r}")
+                # no paths in the answer: the registered one may be another client's
+                return (f"LoRA id {lid} is registered for adapter {known.lora_name!r} with "
+                        f"another lora_path, not for {lora.lora_name!r} at this one")
             return a
         other = self._by_name.get(lora.lora_name)
         if other is not None:
@@ -148,7 +152,9 @@ class LoRARegistry:
             return f"LoRA id {lid} is still being unloaded: try again"
         missing = missing_file(lora.lora_path)
         if missing is not None:
-            return f"LoRA adapter {lora.lora_name!r}: {missing} not found"
+            # the file's name, not its path: answers carry no server paths
+            return (f"LoRA adapter {lora.lora_name!r}: {os.path.basename(missing)} not found "
+                    "in its lora_path")
         a = _Adapter(lora)
         self._by_id[lid] = a
         self._by_name[lora.lora_name] = lid
@@ -181,8 +187,12 @@ class LoRARegistry:
             a = self._by_id[lid]
             exc = fut.exception()
             if exc is not None:
-                failed += self._fail(a, f"LoRA adapter {a.lora.lora_name!r}: cannot read "
-                                        f"{a.lora.lora_path!r}: {exc}")
+                logger.warning("LoRA adapter %r: cannot read %r: %s", a.lora.lora_name,
+                               a.lora.lora_path, exc)
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+                    type(exc).__name__
+                failed += self._fail(a, f"LoRA adapter {a.lora.lora_name!r}: cannot read its "
+                                        f"files ({reason})")
                 continue
             a.content_hash = fut.result()
             a.state = State.PREPARING
