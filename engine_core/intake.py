@@ -12,7 +12,6 @@ import time
 from engine_core.lora.registry import NOT_ENABLED
 from engine_core.request import Request
 from engine_core.validation import (
-    job_fields,
     validate_cache_salt,
     validate_job,
     validate_priority,
@@ -21,40 +20,30 @@ from engine_core.validation import (
     validate_sampling,
 )
 from protocol.codec import ProtocolError, unpack
-from protocol.messages import AddJobRequest, AddRequest
+from protocol.messages import AddRequest
 
 
 def request_from(msg: AddRequest, vocab_size: int, eos_token_id: int | None, *,
                  lora_enabled: bool, kv_enabled: bool) -> Request | str:
     """The Request ``msg`` asks for, or why it is refused."""
-    job = msg.job if isinstance(msg, AddJobRequest) else None
+    opts = msg.options
     try:
         prompt = unpack(msg.prompt_token_ids)
     except ProtocolError as e:
         return str(e)
-    if msg.lora is not None and not lora_enabled:
+    if opts.lora is not None and not lora_enabled:
         return NOT_ENABLED
     err = (
         validate_request_id(msg.request_id)
-        or validate_cache_salt(msg.cache_salt)
-        or (not kv_enabled and msg.kv_transfer_params is not None
-         and "kv_transfer_params needs an engine started with --kv-transfer-config")
+        or validate_cache_salt(opts.cache_salt)
+        or (not kv_enabled and opts.kv_transfer_params is not None
+            and "kv_transfer_params needs an engine started with --kv-transfer-config")
         or validate_sampling(msg.sampling_params)
-        or validate_priority(msg.priority)
-        or validate_job(job)
+        or validate_priority(opts.priority)
+        or validate_job(opts.job)
         or validate_prompt(prompt, vocab_size)
     )
     if err:
         return err
-    return Request(
-        msg.request_id,
-        prompt,
-        msg.sampling_params,
-        eos_token_id,
-        msg.arrival_time or time.time(),
-        priority=msg.priority,
-        cache_salt=msg.cache_salt,
-        kv_transfer_params=msg.kv_transfer_params,
-        lora=msg.lora,
-        **job_fields(job),
-    )
+    return Request(msg.request_id, prompt, msg.sampling_params, eos_token_id,
+                   msg.arrival_time or time.time(), opts)

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.codec import pack
-from protocol.kv_connector import KVTransferParams
-from protocol.lora import LoRARequest
 from protocol.messages import SamplingParams
+from protocol.request_options import NO_OPTIONS, RequestOptions
 
 # Hash of one full block; bytes (sha256) or int (fast), see kv_cache_hashing.
 BlockHash = Any
@@ -55,6 +54,7 @@ _NEVER = 1 << 62  # "no block boundary to hash at" when prefix caching is off
 class Request:
     __slots__ = (
         "request_id",
+        "options",
         "prompt_token_ids",
         "packed_prompt",
         "sampling_params",
@@ -103,15 +103,15 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        job_id: str | None = None,
-        is_last_step: bool = False,
-        tool_name: str | None = None,
-        kv_transfer_params: KVTransferParams | None = None,
-        lora: LoRARequest | None = None,
+        options: RequestOptions = NO_OPTIONS,
     ) -> None:
         self.request_id = request_id
+        # everything the client chose besides the prompt and sampling, as it arrived; the
+        # fields the scheduler reads on every step are copied to plain attributes below
+        self.options = options
+        kv_transfer_params = options.kv_transfer_params
+        lora = options.lora
+        job = options.job
         # P/D (engine_core/kv_connector/): a prefill to hand over, or KV to pull; None: neither
         self.kv_transfer_params = kv_transfer_params
         # prompt tokens whose KV a prefill engine sent and this request's blocks now hold
@@ -126,17 +126,17 @@ class Request:
         # admission passes that skipped it for want of an adapter slot (engine_core/lora/)
         self.lora_skips = 0
         # the agent program this request is a turn of (continuum policy); None: no job
-        self.job_id = job_id
-        self.is_last_step = is_last_step
-        self.tool_name = tool_name
+        self.job_id = None if job is None else job.job_id
+        self.is_last_step = False if job is None else job.is_last_step
+        self.tool_name = None if job is None else job.tool_name
         self.prompt_token_ids = list(prompt_token_ids)
         # packed once here so admission (a hot path) never re-packs the prompt
         self.packed_prompt = pack(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
-        self.priority = priority
-        self.cache_salt = cache_salt
+        self.priority = options.priority
+        self.cache_salt = options.cache_salt
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(self.prompt_token_ids)

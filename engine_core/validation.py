@@ -14,9 +14,8 @@ request uses (seed + j) mod 2**64 (see derived_seed).
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from protocol.messages import JobInfo, SamplingParams
+from protocol.messages import SamplingParams
 from protocol.structured import structured_error
 
 INT32_MAX = 2**31 - 1
@@ -146,10 +145,3 @@ def validate_prompt(prompt: list[int], vocab_size: int) -> str | None:
         bad = lo if lo < 0 else hi
         return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
     return None
-
-
-def job_fields(job: JobInfo | None) -> dict[str, Any]:
-    """Request(...) keyword arguments of a (validated) job; none without one."""
-    if job is None:
-        return {}
-    return {"job_id": job.job_id, "is_last_step": job.is_last_step, "tool_name": job.tool_name}

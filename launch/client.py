@@ -35,7 +35,6 @@ from protocol.codec import Encoder, ProtocolError, engine_decoder, pack
 from protocol.lora import LoRARequest
 from protocol.messages import (
     AbortRequests,
-    AddJobRequest,
     AddRequest,
     EngineDead,
     EngineOutputs,
@@ -151,12 +150,8 @@ class EngineClient:
         except (OverflowError, TypeError) as e:
             self._finish_locally(tr, f"prompt token ids are not int32 values: {e}")
             return tr
-        fields = dict(request_id=request_id, prompt_token_ids=packed, sampling_params=params,
-                      priority=options.priority, cache_salt=options.cache_salt,
-                      arrival_time=now, lora=options.lora,
-                      kv_transfer_params=options.kv_transfer_params)
-        job = options.job
-        self._send(AddRequest(**fields) if job is None else AddJobRequest(**fields, job=job),
+        self._send(AddRequest(request_id=request_id, prompt_token_ids=packed,
+                              sampling_params=params, arrival_time=now, options=options),
                    ticket)
         return tr
 

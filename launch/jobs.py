@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from protocol.messages import JobInfo
+from protocol.request_options import JobInfo
 
 T = TypeVar("T")
 

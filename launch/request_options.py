@@ -1,33 +1,16 @@
-"""The options of one request besides its prompt and sampling parameters, as one value.
-
-Everything between the caller and the wire (LLM.generate / generate_stream, the HTTP
-generation, EngineClient.add_request) passes this one value on, so an option added here
-reaches the engine everywhere at once instead of being re-listed, in order, in every
-signature (a positional slip there once sent an adapter where P/D parameters go).
-"""
+"""The Python API's request keywords made into one RequestOptions per prompt (the value itself,
+carried whole to the engine core, is protocol/request_options.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from launch.jobs import job_infos
 from launch.lora_modules import LoRAArg, per_prompt_loras
 from protocol.kv_connector import KVTransferParams
-from protocol.lora import LoRARequest
-from protocol.messages import JobInfo
+from protocol.request_options import NO_OPTIONS, RequestOptions
 
-
-@dataclass(frozen=True)
-class RequestOptions:
-    priority: int = 0
-    cache_salt: str | None = None
-    job: JobInfo | None = None  # the agent program this request is a turn of
-    kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill / decode
-    lora: LoRARequest | None = None  # None: the base model
-
-
-NO_OPTIONS = RequestOptions()
+__all__ = ["NO_OPTIONS", "RequestOptions", "per_prompt_options"]
 
 
 def per_prompt_options(

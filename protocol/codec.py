@@ -13,7 +13,6 @@ import msgspec
 
 from protocol.messages import (
     PROTOCOL_VERSION,
-    AddJobRequest,
     AddRequest,
     EngineMessage,
     FrontendMessage,
@@ -100,18 +99,14 @@ def worker_decoder(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Decoder[Wo
     return Decoder(WorkerMessage, max_frame_bytes)
 
 
-# The head of an AddRequest / AddJobRequest: its tag and request id, the rest ignored. When a
-# frame fails to decode as a whole, this names the request it meant to send, so the sender is
-# answered with an error rather than left waiting for a request the engine dropped.
+# The head of an AddRequest: its tag and request id, the rest ignored. When a frame fails to
+# decode as a whole, this names the request it meant to send, so the sender is answered with
+# an error rather than left waiting for a request the engine dropped.
 class _AddHead(msgspec.Struct, array_like=True, tag=AddRequest.__struct_config__.tag):
     request_id: str
 
 
-class _AddJobHead(msgspec.Struct, array_like=True, tag=AddJobRequest.__struct_config__.tag):
-    request_id: str
-
-
-_HEADS = msgspec.msgpack.Decoder(_AddHead | _AddJobHead)
+_HEADS = msgspec.msgpack.Decoder(_AddHead)
 
 
 def request_id_of(frame: bytes | memoryview) -> str | None:

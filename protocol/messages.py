@@ -37,6 +37,7 @@ import msgspec
 from protocol.kv_connector import KVConnectorMetadata, KVConnectorReport, KVTransferParams
 from protocol.kv_transfer import KVLoadResult, KVTransfers
 from protocol.lora import LoRARequest, LoRAStep
+from protocol.request_options import NO_OPTIONS, RequestOptions
 from protocol.structured import StructuredOutputsParams
 
 # 2: KV offload tiers (kv_transfers, kv_load, the hello's tier sizes)
@@ -47,7 +48,7 @@ from protocol.structured import StructuredOutputsParams
 # 5: disaggregated prefill / decode (protocol/kv_connector.py: kv_transfer_params on AddRequest
 #    and RequestOutput, the connector's ops in the step diff, KVConnectorReport, the ranks'
 #    block-server ports in the hello)
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -71,33 +72,13 @@ class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_default
 # frontend -> engine core
 
 
-class JobInfo(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
-    """The agent program a request is one turn of (the continuum scheduling policy)."""
-
-    job_id: str
-    is_last_step: bool = False  # no next turn follows: nothing to keep for it
-    tool_name: str | None = None  # the tool the client runs after this turn (a TTL hint)
-
-
 class AddRequest(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     request_id: str
     prompt_token_ids: bytes  # packed int32
     sampling_params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
     arrival_time: float = 0.0
-    # the LoRA adapter this request runs with; None (one nil byte) = the base model
-    lora: LoRARequest | None = None
-    # disaggregated prefill / decode (protocol/kv_connector.py); None (one nil byte) = neither
-    kv_transfer_params: KVTransferParams | None = None
-
-
-class AddJobRequest(AddRequest, tag=6, kw_only=True):
-    """An AddRequest that is a turn of an agent job. A message of its own (tag) rather than an
-    optional field: array_like structs encode every field, so a request without a job would
-    otherwise carry a nil for it."""
-
-    job: JobInfo
+    # priority, cache salt, job, P/D parameters, adapter: one value (protocol/request_options.py)
+    options: RequestOptions = NO_OPTIONS
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=2):
@@ -140,8 +121,8 @@ class ProfileRequest(msgspec.Struct, array_like=True, tag=5):
 
 
 FrontendMessage = (
-    AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest | AddJobRequest
-    | LoadLoRA | UnloadLoRA
+    AddRequest | AbortRequests | HealthRequest | ShutdownEngine | ProfileRequest | LoadLoRA
+    | UnloadLoRA
 )
 
 

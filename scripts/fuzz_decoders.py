@@ -45,6 +45,7 @@ from protocol.messages import (  # noqa: E402
     ShutdownEngine,
     WorkerError,
 )
+from protocol.request_options import RequestOptions
 
 
 def seed_frames() -> list[bytes]:
@@ -54,8 +55,8 @@ def seed_frames() -> list[bytes]:
             request_id="r1",
             prompt_token_ids=pack([1, 2, 3, 70000]),
             sampling_params=SamplingParams(max_tokens=5, temperature=0.7, top_k=4, seed=3),
-            cache_salt="s",
             arrival_time=1.5,
+            options=RequestOptions(cache_salt="s"),
         ),
         AbortRequests(["a", "b"]),
         HealthRequest(7),

@@ -24,6 +24,7 @@ from protocol.messages import (
     SamplingParams,
     SchedulerOutput,
 )
+from protocol.request_options import RequestOptions
 
 ENC = Encoder()
 # a realistic adapter: a path of a few dozen characters, a sha256 in hex
@@ -45,7 +46,8 @@ def _req(rid: str, prompt_len: int, adapter: int = 0) -> Request:
     lora = (LoRARequest(f"lora-{adapter}", adapter, f"/models/adapters/lora-{adapter}")
             if adapter else None)
     r = Request(rid, [7 + (i % 900) for i in range(prompt_len)],
-                SamplingParams(max_tokens=100_000, ignore_eos=True), None, 0.0, lora=lora)
+                SamplingParams(max_tokens=100_000, ignore_eos=True), None, 0.0,
+                RequestOptions(lora=lora))
     if adapter:
         r.lora_hash = f"{adapter:064x}"
     return r

@@ -19,6 +19,7 @@ from protocol.codec import Encoder, pack
 from protocol.config import EngineConfig
 from protocol.kv_connector import KVConnectorReport, KVTransferConfig, KVTransferParams
 from protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from protocol.request_options import RequestOptions
 
 _MP = msgspec.msgpack.Encoder()
 ENC = Encoder()
@@ -57,7 +58,8 @@ def pd_wire(num_requests: int = 16, prompt_len: int = 1024, tp: int = 2) -> dict
     params: dict[str, KVTransferParams] = {}
     for i, prompt in enumerate(prompts):
         p.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=1), None, time.time(),
-                              kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+                              RequestOptions(kv_transfer_params=KVTransferParams(
+                                  do_remote_decode=True))))
     while p.has_unfinished_requests():
         so = p.schedule()
         p_bytes.append(connector_bytes(so))
@@ -70,7 +72,7 @@ def pd_wire(num_requests: int = 16, prompt_len: int = 1024, tp: int = 2) -> dict
     rep_bytes = 0
     for i, prompt in enumerate(prompts):
         d.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=4), None, time.time(),
-                              kv_transfer_params=params[f"r{i}"]))
+                              RequestOptions(kv_transfer_params=params[f"r{i}"])))
     while d.has_unfinished_requests():
         so = _step(d, rng)
         d_bytes.append(connector_bytes(so))

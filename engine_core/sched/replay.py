@@ -40,6 +40,7 @@ from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.kv_transfer import KVLoadResult
 from protocol.lora import LoRARequest
 from protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from protocol.request_options import JobInfo, RequestOptions
 
 
 @dataclass
@@ -255,11 +256,12 @@ def replay(trace: Trace, overrides: dict[str, Any] | None = None) -> ReplayResul
                 msgspec.convert(rec["sampling_params"], sp_type),
                 rec["eos_token_id"],
                 rec["arrival_time"],
-                priority=rec["priority"],
-                cache_salt=rec["cache_salt"],
-                **(dict(zip(("job_id", "is_last_step", "tool_name"), job, strict=True))
-                   if job else {}),
-                lora=LoRARequest(*lora[:3]) if lora else None,
+                RequestOptions(
+                    priority=rec["priority"],
+                    cache_salt=rec["cache_salt"],
+                    job=JobInfo(job_id=job[0], is_last_step=job[1], tool_name=job[2])
+                    if job else None,
+                    lora=LoRARequest(*lora[:3]) if lora else None),
             )
             if lora:
                 req.lora_hash = lora[3]

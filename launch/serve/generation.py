@@ -40,7 +40,8 @@ from launch.serve.stop import StopChecker
 from protocol.codec import pack
 from protocol.kv_connector import KVTransferParams, params_to_json
 from protocol.lora import LoRARequest
-from protocol.messages import JobInfo, SamplingParams
+from protocol.messages import SamplingParams
+from protocol.request_options import JobInfo
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
 # death is announced right after (EngineDead, or the process watcher). Wait this long for it

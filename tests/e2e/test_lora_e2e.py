@@ -22,6 +22,7 @@ from launch import LLM, LoRARequest, SamplingParams
 from launch.lora_modules import LoRAModule
 from launch.processes import free_port
 from launch.serve.context import ServerContext
+from protocol.request_options import RequestOptions
 from tests.helpers.lora_e2e import expected_tokens, make_adapter, stub_llm
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,7 +193,9 @@ def test_http_adapters_and_runtime_updates(tmp_path: Path, monkeypatch: pytest.M
             assert llm.client is not None
             # sent on the socket the unload below takes, so the engine has it first
             stalled = llm.client.add_request("held", [40, 41], SamplingParams(max_tokens=4),
-                                             queue.Queue(), lora=ctx.adapters.get("stall"))
+                                             queue.Queue(),
+                                             options=RequestOptions(
+                                                 lora=ctx.adapters.get("stall")))
             r = post("/v1/unload_lora_adapter", lora_name="stall")
             assert r.status_code == 409 and "in use" in r.text
             assert "stall" in {m.id for m in client.models.list().data}

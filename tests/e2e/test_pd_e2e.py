@@ -21,6 +21,7 @@ import pytest
 from launch import LLM, SamplingParams
 from launch.outputs import RequestOutput
 from protocol.kv_connector import KVTransferConfig, KVTransferParams
+from protocol.request_options import RequestOptions
 from tests.helpers.procs import wait_no_descendants
 
 pytestmark = pytest.mark.slow  # five engines (seven ranks) for the module
@@ -140,15 +141,15 @@ def test_aborts_leave_both_engines_free(engines) -> None:
 
     sink: queue.Queue = queue.Queue()
     p.client.add_request("early", text, SamplingParams(max_tokens=1), sink,
-                         kv_transfer_params=PREFILL)
+                         options=RequestOptions(kv_transfer_params=PREFILL))
     p.abort(["early"])
     # between P and D, and while D loads: D aborts right after it got the request
     params = prefill(p, [text, prompt(9 * BS, 78)])
     d.client.add_request("late", text, GREEDY, sink,
-                         kv_transfer_params=params[0].kv_transfer_params)
+                         options=RequestOptions(kv_transfer_params=params[0].kv_transfer_params))
     d.abort(["late"])
     d.client.add_request("mid", prompt(9 * BS, 78), GREEDY, sink,
-                         kv_transfer_params=params[1].kv_transfer_params)
+                         options=RequestOptions(kv_transfer_params=params[1].kv_transfer_params))
     time.sleep(0.05)
     d.abort(["mid"])
     assert settled(p, d)

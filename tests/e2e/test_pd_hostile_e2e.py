@@ -19,6 +19,7 @@ import pytest
 
 from launch import LLM, SamplingParams
 from protocol.kv_connector import KVTransferConfig, KVTransferParams
+from protocol.request_options import RequestOptions
 from tests.e2e.test_pd_e2e import BS, GREEDY, OPTS, PREFILL, prefill, prompt
 from tests.helpers.procs import wait_no_descendants
 
@@ -99,7 +100,7 @@ def test_reserved_looking_request_ids_cannot_take_the_engine_down(engine) -> Non
     text = prompt(2 * BS + 1, 12)
     for rid in ids:
         e.client.add_request(rid, text, SamplingParams(max_tokens=1), sink,
-                             kv_transfer_params=PREFILL)
+                             options=RequestOptions(kv_transfer_params=PREFILL))
     finished: dict[str, object] = {}
     deadline = time.monotonic() + 60
     while len(finished) < len(ids) and time.monotonic() < deadline:
@@ -155,7 +156,8 @@ def test_a_silent_peer_holds_only_its_own_request(engine) -> None:
                                  remote_request_id=secrets.token_urlsafe(16),
                                  remote_num_tokens=len(text))
         sink: queue.Queue = queue.Queue()
-        e.client.add_request("stuck", text, GREEDY, sink, kv_transfer_params=stuck)
+        e.client.add_request("stuck", text, GREEDY, sink,
+                             options=RequestOptions(kv_transfer_params=stuck))
         other = prompt(3 * BS + 2, 15)
         params = prefill(e, [other])[0].kv_transfer_params
         out = e.generate([other], GREEDY, use_tqdm=False, cache_salt="other", timeout_s=60,

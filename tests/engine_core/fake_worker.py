@@ -23,6 +23,7 @@ from protocol.codec import Decoder, Encoder, pack, unpack
 from protocol.config import EngineConfig
 from protocol.lora import LoRARequest
 from protocol.messages import ModelRunnerOutput, RequestOutput, SamplingParams, SchedulerOutput
+from protocol.request_options import RequestOptions
 
 
 def next_token(tokens: list[int]) -> int:
@@ -237,8 +238,9 @@ def make_request(
         SamplingParams(max_tokens=max_tokens, **sp),  # type: ignore[arg-type]
         eos,
         arrival,
-        priority=priority,
-        lora=LoRARequest(f"a{lora}", lora, f"/adapters/a{lora}") if lora else None,
+        RequestOptions(
+            priority=priority,
+            lora=LoRARequest(f"a{lora}", lora, f"/adapters/a{lora}") if lora else None),
     )
     if lora:
         req.lora_hash = lora_hash or f"{lora * 7919:06x}"

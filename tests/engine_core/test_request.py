@@ -6,6 +6,7 @@ from engine_core.kv_cache.hashing import (
 )
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from protocol.messages import SamplingParams
+from protocol.request_options import RequestOptions
 
 
 def test_counters_and_status() -> None:
@@ -27,7 +28,8 @@ def test_ignore_eos_and_stop_ids() -> None:
 
 def test_block_hashes_grow_incrementally_over_full_blocks_only() -> None:
     for fn in (sha256_block_hash, fast_block_hash):
-        r = Request("r", list(range(10)), SamplingParams(), None, 0.0, cache_salt="s")
+        r = Request("r", list(range(10)), SamplingParams(), None, 0.0,
+                    RequestOptions(cache_salt="s"))
         r.set_block_hasher(BlockHasher(4, fn), 4)
         assert len(r.block_hashes) == 2
         r.append_output_token(10)

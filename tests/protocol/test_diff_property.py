@@ -20,6 +20,7 @@ from engine_core.sched.scheduler import Scheduler
 from protocol.codec import Encoder, broadcast_decoder, worker_decoder
 from protocol.config import EngineConfig
 from protocol.messages import SamplingParams, SchedulerOutput
+from protocol.request_options import RequestOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_model import WorkerModel  # noqa: E402
@@ -112,7 +113,7 @@ def test_worker_model_tracks_scheduler(
                     sp,
                     EOS,
                     float(step),
-                    priority=data.draw(st.integers(0, 2)),
+                    RequestOptions(priority=data.draw(st.integers(0, 2))),
                 )
             )
             next_id += 1

@@ -15,6 +15,7 @@ from protocol.kv_connector import (
 )
 from protocol.kv_transfer import KVLoadResult, KVTransfers, pack_tags
 from protocol.lora import LoRARequest, LoRASlotOp, LoRAStep
+from protocol.request_options import JobInfo, RequestOptions
 from protocol.structured import StructuredOutputsParams
 
 SP = m.SamplingParams(
@@ -45,21 +46,19 @@ SAMPLES: list[msgspec.Struct] = [
         request_id="req-ä-1",
         prompt_token_ids=pack([1, 2, 3, 50000]),
         sampling_params=SP,
-        priority=-3,
-        cache_salt="salt",
         arrival_time=12.5,
-        lora=LORA,
-        kv_transfer_params=KV_PARAMS,
+        options=RequestOptions(priority=-3, cache_salt="salt", lora=LORA,
+                               kv_transfer_params=KV_PARAMS),
     ),
     m.LoadLoRA(lora=LORA),
     m.UnloadLoRA(lora_name="sql"),
     m.LoRAResult(lora_name="sql", error="in use", in_use=True, not_found=True),
-    m.AddJobRequest(
+    m.AddRequest(
         request_id="req-job-1",
         prompt_token_ids=pack([7, 8]),
         sampling_params=SP,
-        priority=2,
-        job=m.JobInfo(job_id="agent-7", is_last_step=True, tool_name="grep"),
+        options=RequestOptions(
+            priority=2, job=JobInfo(job_id="agent-7", is_last_step=True, tool_name="grep")),
     ),
     m.AbortRequests(request_ids=["a", "b"]),
     m.HealthRequest(nonce=99),

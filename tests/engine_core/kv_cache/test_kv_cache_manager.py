@@ -5,6 +5,7 @@ from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.request import Request
 from engine_core.sched.invariants import check_block_pool
 from protocol.messages import SamplingParams
+from protocol.request_options import RequestOptions
 
 
 def toks(s: str) -> list[int]:
@@ -98,7 +99,8 @@ def test_allocate_none_changes_nothing_and_spec_tokens_are_not_cached() -> None:
 
 def test_salt_separates_caches_and_caching_can_be_off() -> None:
     kvm = KVCacheManager(num_blocks=8, block_size=4)
-    a = Request("a", toks("ABCDEFGH"), SamplingParams(), None, 0.0, cache_salt="x")
+    a = Request("a", toks("ABCDEFGH"), SamplingParams(), None, 0.0,
+                RequestOptions(cache_salt="x"))
     kvm.attach_hasher(a)
     admit(kvm, a)
     b = mk(kvm, "b", "ABCDEFGH")

@@ -13,6 +13,7 @@ from engine_core.sched.continuum.policy import Continuum, JobState
 from engine_core.sched.invariants import check_block_pool
 from protocol.config import EngineConfig
 from protocol.messages import SamplingParams
+from protocol.request_options import JobInfo, RequestOptions
 from tests.engine_core.kv_cache.test_block_pool_state_machine import KVCacheMachine
 
 JOBS = ["a", "b", "c"]
@@ -37,7 +38,8 @@ class PinnedKVCacheMachine(KVCacheMachine):
     @rule(job=st.sampled_from(JOBS))
     def claim(self, job: str) -> None:
         # an admission of the job's next turn (its own allocation happened in admit)
-        self.cont.on_admitted(Request("x", [1], SamplingParams(), None, 0.0, job_id=job), 0)
+        self.cont.on_admitted(Request("x", [1], SamplingParams(), None, 0.0,
+                                          RequestOptions(job=JobInfo(job_id=job))), 0)
 
     @rule(dt=st.floats(0.0, 2.0))
     def expire(self, dt: float) -> None:

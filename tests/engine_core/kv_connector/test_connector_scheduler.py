@@ -21,6 +21,7 @@ from protocol.kv_connector import (
     check_ops,
 )
 from protocol.messages import RequestOutput, SamplingParams
+from protocol.request_options import RequestOptions
 from tests.engine_core.fake_worker import FakeWorker, make_scheduler, run_to_completion
 
 BS = 4
@@ -105,7 +106,7 @@ def transfer(p: Engine, d: Engine, fail: bool = False) -> None:
 def request(rid: str, prompt: list[int], max_tokens: int,
             params: KVTransferParams | None = None) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), None, 0.0,
-                   kv_transfer_params=params)
+                   RequestOptions(kv_transfer_params=params))
 
 
 def run(p: Engine, d: Engine, steps: int = 200) -> None:

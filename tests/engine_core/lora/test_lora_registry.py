@@ -16,6 +16,7 @@ from engine_core.lora.slots import LoRASlots
 from engine_core.request import Request
 from protocol.lora import LoRARequest
 from protocol.messages import DropLoRA, LoRAReady, LoRAResult, PrepareLoRA, SamplingParams
+from protocol.request_options import RequestOptions
 
 
 def adapter_dir(root: Path, name: str, weights: bytes = b"weights") -> str:
@@ -27,7 +28,8 @@ def adapter_dir(root: Path, name: str, weights: bytes = b"weights") -> str:
 
 
 def request(rid: str, lora: LoRARequest | None) -> Request:
-    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), None, 0.0, lora=lora)
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), None, 0.0,
+                   RequestOptions(lora=lora))
 
 
 class Bench:
@@ -88,7 +90,7 @@ def test_refusals_name_the_problem(bench: Bench, tmp_path: Path) -> None:
     os.remove(os.path.join(path, "adapter_model.safetensors"))
     err = bench.reg.route(request("r", LoRARequest("sql", 1, path)))
     assert isinstance(err, str) and "adapter_model.safetensors not found" in err
-    assert path in err and not bench.sent and len(bench.reg) == 0
+    assert path not in err and not bench.sent and len(bench.reg) == 0  # no paths to clients
     good = adapter_dir(tmp_path, "good")
     assert bench.reg.route(request("a", LoRARequest("good", 2, good))) is None
     other = adapter_dir(tmp_path, "other")

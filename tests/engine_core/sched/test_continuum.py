@@ -14,6 +14,7 @@ from engine_core.sched.scheduler import Scheduler
 from engine_core.sched.trace import SchedulerTrace, trace_header
 from protocol.config import EngineConfig
 from protocol.messages import SamplingParams
+from protocol.request_options import JobInfo, RequestOptions
 from tests.engine_core.fake_worker import FakeWorker, run_to_completion, tokens_of
 
 BS = 4
@@ -37,7 +38,8 @@ def sched(num_blocks: int = 32, clock: Clock | None = None, budget: int = 64,
 def turn(rid: str, prompt: list[int], job: str | None, arrival: float = 0.0, last: bool = False,
          tool: str | None = None, max_tokens: int = 4) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), None, arrival,
-                   job_id=job, is_last_step=last, tool_name=tool)
+                   RequestOptions(job=None if job is None else JobInfo(
+                       job_id=job, is_last_step=last, tool_name=tool)))
 
 
 def stats(s: Scheduler) -> dict[str, float]:

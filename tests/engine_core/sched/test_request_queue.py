@@ -7,10 +7,12 @@ from engine_core.sched.request_queue import (
     create_request_queue,
 )
 from protocol.messages import SamplingParams
+from protocol.request_options import RequestOptions
 
 
 def req(rid: str, priority: int = 0, arrival: float = 0.0) -> Request:
-    return Request(rid, [1, 2], SamplingParams(), None, arrival, priority=priority)
+    return Request(rid, [1, 2], SamplingParams(), None, arrival,
+                   RequestOptions(priority=priority))
 
 
 def test_fcfs_order_prepend_and_remove() -> None:
