@@ -4,9 +4,11 @@ Each request has ``num_computed_tokens`` and ``num_tokens_with_spec``; a step gi
 request part of the gap between them. Decodes (gap 1), prefill chunks (gap = rest of the
 prompt), recompute after preemption and speculative drafts are all the same rule.
 
-The step's two passes live beside this file: running_pass.py (running requests, preemption)
-and admission.py (waiting requests); applying the model's output (update_from_output) lives in
-update.py.
+The Scheduler composes its parts, each with its state passed in: running_set.py (the running
+list and the whole-fit count; the one way in and out of it), running_pass.py (running
+requests, preemption), admission.py (waiting requests); applying the model's output
+(update_from_output) lives in update.py. Optional features plug in through features.py (hooks
+with no-op defaults, and always-present decision objects); plugins.py adapts each feature.
 
 Order: running requests first, in admission order; on KV exhaustion the scheduler preempts
 (recompute) and retries. Waiting requests are admitted only if nothing was preempted; with
