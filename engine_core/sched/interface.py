@@ -22,9 +22,13 @@ class SchedulerView(Protocol):
     max_model_len: int
     max_num_batched_tokens: int
     eos_token_id: int | None
-    running: list[Request]
+    @property
+    def running(self) -> list[Request]: ...
+
     waiting: WaitingQueue
     # the requests the workers know, by their wire handle
     by_handle: dict[int, Request]
     kv_cache_manager: KVCacheManager
-    kv_offload: OffloadScheduling | None
+
+    @property
+    def kv_offload(self) -> OffloadScheduling | None: ...

@@ -2,7 +2,8 @@
 
 Kept apart from scheduler.py (the planning half) so each file holds one concept. These are
 functions of the scheduler's state (UpdateTarget, which Scheduler satisfies structurally):
-Scheduler.update_from_output calls update_from_output(self, ...).
+Scheduler.update_from_output calls update_from_output(self, ...), and gives the features
+(the offload tier's reads, the trace) the step's results around it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from protocol.codec import unpack, unpack_f32
 from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine_core.sched.trace import SchedulerTrace
+    from engine_core.sched.running_set import RunningSet
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
@@ -30,7 +31,7 @@ class UpdateTarget(SchedulerView, Protocol):
     num_draft_tokens: int
     num_accepted_tokens: int
     num_spec_verifications: int
-    trace: SchedulerTrace | None
+    running_set: RunningSet  # the one owner of the running list
 
     def free_request(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
@@ -40,12 +41,6 @@ class UpdateTarget(SchedulerView, Protocol):
 def update_from_output(
     s: UpdateTarget, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
 ) -> list[RequestOutput]:
-    kv_load = None
-    if model_output.kv_copy_us and s.kv_offload is not None:
-        s.kv_offload.copy_seconds += model_output.kv_copy_us * 1e-6
-    if model_output.kv_load is not None and s.kv_offload is not None:
-        # disk -> host reads every rank finished (or one failed): restorable (or dropped)
-        kv_load = s.kv_offload.complete_loads(model_output.kv_load)
     handles = unpack(model_output.req_handles)
     tokens = unpack(model_output.sampled_token_ids)
     spec = s.spec_by_step.pop(scheduler_output.step_id, None)
@@ -62,8 +57,6 @@ def update_from_output(
         _update_one_token_each(s, handles, tokens, outputs, finished)
         if finished:
             _free_finished(s, finished)
-        if s.trace is not None:
-            s.trace.on_update(scheduler_output.step_id, kv_load)
         return outputs
     pos = 0
     for k, handle in enumerate(handles):
@@ -96,8 +89,6 @@ def update_from_output(
             finished.append((req, status))
     if finished:
         _free_finished(s, finished)
-    if s.trace is not None:
-        s.trace.on_update(scheduler_output.step_id, kv_load)
     return outputs
 
 
@@ -110,7 +101,7 @@ def _free_finished(s: UpdateTarget, finished: list[tuple[Request, RequestStatus]
         finished.sort(key=lambda f: f[0].handle or 0)  # a running request has a handle
     for req, status in finished:
         s.free_request(req, status)
-    s.running = [r for r in s.running if r.status == RUNNING]
+    s.running_set.prune()
 
 
 def _append_tokens(
