@@ -25,9 +25,9 @@ import msgspec
 import zmq
 
 from engine_core.census import core_census
-from engine_core.frontend_link import FrontendLink
+from engine_core.frontend.intake import request_from
+from engine_core.frontend.link import FrontendLink
 from engine_core.handshake import build_scheduler, collect_hellos
-from engine_core.intake import request_from
 from engine_core.pens.base import HoldingPen, Settled
 from engine_core.pens.setup import build_pens, control_routes, reply_routes
 from engine_core.request import Request, RequestStatus

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from engine_core.grammar_gate import GrammarGate
+from engine_core.grammar.gate import GrammarGate
 from engine_core.pens.base import NOTHING, HoldingPen, Settled
 from engine_core.request import Request
 from protocol.config import EngineConfig

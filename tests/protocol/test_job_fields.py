@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine_core.validation import validate_job
+from engine_core.frontend.validation import validate_job
 from protocol.codec import Encoder, frontend_decoder
 from protocol.messages import AddJobRequest, AddRequest, JobInfo, SamplingParams
 
