@@ -15,9 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from engine_core.grammar_gate import GrammarGate
-    from engine_core.kv_connector.engine_side import KVConnectorEngine
-    from engine_core.lora.registry import LoRARegistry
+    from engine_core.pens.base import HoldingPen
     from engine_core.sched.scheduler import Scheduler
     from engine_core.worker_link import WorkerLink
 
@@ -26,13 +24,11 @@ class CoreState(Protocol):
     """What the census reads of EngineCore (a protocol, so this module need not import it)."""
 
     inflight: set[str]
-    grammars: GrammarGate
+    pens: list[HoldingPen]
     in_flight: deque[Any]
     early_outputs: dict[int, Any]
     scheduler: Scheduler
     link: WorkerLink
-    lora: LoRARegistry | None
-    kv: KVConnectorEngine | None
 
 # names below that are bounded rather than freed with their request, and their bound
 BOUNDED = {
@@ -61,9 +57,6 @@ def core_census(core: CoreState) -> dict[str, int]:
     kvm = sched.kv_cache_manager
     out = {
         "frontend.inflight": len(core.inflight),
-        "grammar_gate.held": len(core.grammars),
-        # the grammars the ranks keep, as this gate decides them (bounded in bytes)
-        "grammar_gate.grammars": int(core.grammars.stats()["grammar_cache_grammars"]),
         "core.steps_in_flight": len(core.in_flight),
         "core.early_outputs": len(core.early_outputs),
         "scheduler.requests": len(sched.requests),
@@ -94,21 +87,16 @@ def core_census(core: CoreState) -> dict[str, int]:
         out["kv_offload.host_entries"] = len(offload.offload.host)
         out["kv_offload.disk_entries"] = len(offload.offload.disk)
         out["kv_offload.loads"] = len(offload.offload._loads)
-    lora = core.lora
-    if lora is not None:
-        out["lora.adapters"] = len(lora)
-        out["lora.held"] = lora.num_held
-        slots = sched.lora
-        if slots is not None:
-            out["lora.slots"] = len(slots.slot_of)
-            out["lora.slot_pins"] = len(slots.pins)
-    kv = core.kv
-    if kv is not None:
-        out["kv_connector.peers"] = len(kv.dealers)
-        conn = sched.kv_connector
-        if conn is not None:
-            out["kv_connector.loads"] = len(conn.loads)
-            out["kv_connector.remote_leases"] = len(conn.remote.refs)
+    slots = sched.lora
+    if slots is not None:
+        out["lora.slots"] = len(slots.slot_of)
+        out["lora.slot_pins"] = len(slots.pins)
+    conn = sched.kv_connector
+    if conn is not None:
+        out["kv_connector.loads"] = len(conn.loads)
+        out["kv_connector.remote_leases"] = len(conn.remote.refs)
+    for pen in core.pens:  # what each enabled feature's holding pen keeps
+        out.update(pen.census())
     for rank, sizes in sorted(core.link.rank_census.items()):
         out.update({f"rank{rank}.{name}": n for name, n in sizes.items()})
     return out

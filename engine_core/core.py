@@ -25,13 +25,11 @@ import msgspec
 import zmq
 
 from engine_core.census import core_census
-from engine_core.frontend_link import FrontendLink
-from engine_core.grammar_gate import GrammarGate
+from engine_core.frontend.intake import request_from
+from engine_core.frontend.link import FrontendLink
 from engine_core.handshake import build_scheduler, collect_hellos
-from engine_core.intake import request_from
-from engine_core.kv_connector.engine_side import KVConnectorEngine, attach_connector
-from engine_core.lora.registry import LoRARegistry
-from engine_core.lora.registry import control as lora_control
+from engine_core.pens.base import HoldingPen, Settled
+from engine_core.pens.setup import build_pens, control_routes, reply_routes
 from engine_core.request import Request, RequestStatus
 from engine_core.request_failures import finish_failed_requests
 from engine_core.sched.scheduler import Scheduler
@@ -48,7 +46,6 @@ from protocol.messages import (
     EngineStats,
     HealthReport,
     HealthRequest,
-    LoadLoRA,
     ModelRunnerOutput,
     ProfileControl,
     ProfileRequest,
@@ -56,7 +53,6 @@ from protocol.messages import (
     SchedulerOutput,
     Shutdown,
     ShutdownEngine,
-    UnloadLoRA,
     WorkerError,
 )
 from protocol.transport import Endpoints, recv_frame, secret_from_env
@@ -83,21 +79,22 @@ class EngineCore:
         self.in_flight = deque()
         self.early_outputs: dict[int, dict[int, ModelRunnerOutput]] = {}
         self.shutdown_requested = False
-        # constrained requests waiting for every rank's compiled grammar before admission
-        self.grammars = GrammarGate(
-            world_size, config, publish=lambda m: self.link.pub.send(self.encoder.encode(m)))
-        # LoRA adapters: registered once, requests held until every rank has theirs
-        self.lora: LoRARegistry | None = None
-        if config.enable_lora:
-            self.lora = LoRARegistry(
-                world_size, lambda m: self.link.pub.send(self.encoder.encode(m))
-            )
-        # disaggregated prefill / decode: the lease port and links to other engine cores
-        self.kv: KVConnectorEngine | None = None
-        if config.kv_transfer_config is not None:
-            self.kv = KVConnectorEngine(self.ctx, config.kv_transfer_config, secret)
+        # the enabled features' holding pens (engine_core.pens), in the order a new request
+        # passes them, and which pen each rank reply and frontend control message goes to
+        self.use_pens(build_pens(
+            config, world_size, lambda m: self.link.pub.send(self.encoder.encode(m)),
+            self.ctx, secret, self._requests_beside))
+        self._intake_features = {"lora_enabled": config.enable_lora,
+                                 "kv_enabled": config.kv_transfer_config is not None}
 
     # ------------------------------------------------------------------ start-up
+
+    def use_pens(self, pens: list[HoldingPen]) -> None:
+        """Keep ``pens`` and route the rank replies and frontend control messages they own."""
+        self.pens = pens
+        self.reply_routes = reply_routes(pens)
+        self.control_routes = control_routes(pens)
+        self.link.reply_types = frozenset(self.reply_routes)
 
     def handshake(self) -> None:
         """Wait for every rank, build the Scheduler from what they report, tell the frontend."""
@@ -106,8 +103,8 @@ class EngineCore:
         here = socket.gethostname()
         self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         self.scheduler = build_scheduler(self.config, hellos)
-        if self.kv is not None:
-            attach_connector(self.kv, self.scheduler, hellos)
+        for pen in self.pens:
+            pen.start(self.scheduler, hellos)
         self.frontend.num_waiting = self.num_waiting
         h0 = hellos[0]
         self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
@@ -137,19 +134,13 @@ class EngineCore:
                     or self._to_forget())
             if busy:
                 self._poll_frontend(0)
-            elif self.grammars or self.kv is not None or (
-                    self.lora is not None and self.lora.busy):
+            elif self._pens_busy():
                 self._wait_frontend_or_workers(int(PING_INTERVAL_S * 1000))
             else:
                 self._poll_frontend(int(PING_INTERVAL_S * 1000))
             if not self.in_flight:
                 self.link.drain()  # idle: the workers' pongs must still count
-            self._settle_grammars()
-            if self.kv is not None:  # the ranks' reports, lease messages, deadlines
-                self.kv.settle(self.scheduler, self.link.kv_reports)
-            if self.grammars:
-                self._flush(self.grammars.expire())
-            self._settle_loras()
+            self._settle_pens()
             self.link.maybe_ping()
             self.link.check_alive()
             if self.shutdown_requested:
@@ -176,8 +167,8 @@ class EngineCore:
             frame = self.encoder.encode(so)
             t2 = time.perf_counter()
             self.link.pub.send(frame, copy=False)
-            if self.lora is not None:
-                self.lora.after_publish()  # DropLoRA after the step that empties its slot
+            for pen in self.pens:
+                pen.after_publish()
             in_flight.append((so, (t0, t1, t2, time.perf_counter()), len(frame)))
             if len(in_flight) < depth and self.scheduler.has_unfinished_requests():
                 return  # the first step of a burst: plan the next one before waiting
@@ -209,7 +200,7 @@ class EngineCore:
                 timeout_ms = 2
             else:
                 timeout_ms = int(PING_INTERVAL_S * 1000)
-            if self.kv is not None:  # a rank's report or a lease message may unblock it
+            if self._pens_busy():  # a rank's or a peer's answer to a pen may unblock it
                 self._wait_frontend_or_workers(timeout_ms)
             else:
                 self._poll_frontend(timeout_ms)
@@ -222,48 +213,46 @@ class EngineCore:
 
     def num_waiting(self) -> int:
         """Requests admitted but not running: the waiting queue (preempted ones included) and
-        those held until their grammar compiled or their LoRA adapter was read by every rank."""
-        held_lora = self.lora.num_held if self.lora is not None else 0
-        return len(self.scheduler.waiting) + len(self.grammars) + held_lora
+        those held in a pen (until their grammar compiled, their adapter was read, ...)."""
+        return len(self.scheduler.waiting) + sum(pen.num_held for pen in self.pens)
+
+    def _pens_busy(self) -> bool:
+        return any(pen.busy for pen in self.pens)
 
     def _wait_frontend_or_workers(self, timeout_ms: int) -> None:
-        """Idle but for held grammars, adapters being read or P/D transfers: wake on a
-        frontend message, a rank's answer, a lease message or a finished adapter hash, so what
-        it unblocks goes on at once rather than at the next ping."""
+        """Idle but for what the pens wait on (grammars compiling, adapters being read, P/D
+        transfers): wake on a frontend message, a rank's answer or a pen's own socket or fd,
+        so what it unblocks goes on at once rather than at the next ping."""
         poller = zmq.Poller()
         poller.register(self.frontend.req_sock, zmq.POLLIN)
         poller.register(self.link.results, zmq.POLLIN)
-        for sock in self.kv.sockets if self.kv is not None else ():
-            poller.register(sock, zmq.POLLIN)
-        if self.lora is not None:
-            poller.register(self.lora.wakeup_fd, zmq.POLLIN)  # an adapter's hash is done
+        for pen in self.pens:
+            for source in pen.wake_sources():
+                poller.register(source, zmq.POLLIN)
         poller.poll(timeout_ms)
         self._poll_frontend(0)
 
-    def _settle_grammars(self) -> None:
-        """Admit the held requests every rank has compiled; fail those a rank could not."""
-        replies = self.link.grammar_replies
-        if not replies:
-            return
-        failed = []
-        for msg in replies:
-            settled = self.grammars.answer(msg)
-            if isinstance(settled, Request):
-                self.scheduler.add_request(settled)
-            elif settled is not None:
-                failed.append(settled)
-        replies.clear()
-        self._flush(failed)
+    def _settle_pens(self) -> None:
+        """Between steps: each rank reply to the pen that owns its type, in arrival order,
+        then every pen's tick (after the replies, so an answer beats its deadline)."""
+        replies = self.link.replies
+        if replies:
+            self.link.replies = []
+            for msg in replies:
+                pen = self.reply_routes[type(msg)]
+                self._settled(pen, pen.on_reply(msg))
+        for pen in self.pens:
+            self._settled(pen, pen.tick())
 
-    def _settle_loras(self) -> None:
-        """Let on the requests whose adapter every rank has, fail those a rank refused."""
-        if self.lora is not None:
-            go, failed = self.lora.settle(self.link.lora_replies)
-            for req in go:
-                self._admit(req)
-            self._flush(failed)
-            for result in self.lora.take_results():
-                self._send_frontend(result)
+    def _settled(self, pen: HoldingPen, settled: Settled) -> None:
+        """Released requests go on past ``pen``; failed ones and notices go to the frontend."""
+        if settled.admit:
+            start = self.pens.index(pen) + 1
+            for req in settled.admit:
+                self._admit(req, start)
+        self._flush(list(settled.outputs))
+        for notice in settled.notices:
+            self._send_frontend(notice)
 
     def _wait_for_output(self, step_id: int) -> ModelRunnerOutput:
         """Block until rank 0's tokens for `step_id` arrive (and every rank's, with checksums)."""
@@ -320,9 +309,8 @@ class EngineCore:
             self._add_request(msg)
         elif isinstance(msg, AbortRequests):
             ids = [r for r in msg.request_ids if r in self.inflight]
-            self._flush(self.grammars.abort(ids))
-            if self.lora is not None:
-                self._flush(self.lora.abort(ids))
+            for pen in self.pens:
+                self._flush(pen.abort(ids))
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             # Send the abort outputs (and free the ids) now: an AddRequest reusing an id in the
             # same burst must not be refused as a duplicate of the request just aborted.
@@ -342,8 +330,8 @@ class EngineCore:
                 )
         elif isinstance(msg, ShutdownEngine):
             self.shutdown_requested = True
-        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
-            result = lora_control(self.lora, msg, self._lora_users, self.scheduler.lora)
+        elif type(msg) in self.control_routes:
+            result = self.control_routes[type(msg)](msg)
             if result is not None:
                 self._send_frontend(result)
 
@@ -352,32 +340,30 @@ class EngineCore:
             # Don't touch the first request: only the duplicate is refused.
             self._reject(msg.request_id, f"request id {msg.request_id!r} is already in flight")
             return
-        req = request_from(msg, self.vocab_size, self.eos_token_id,
-                           lora_enabled=self.lora is not None, kv_enabled=self.kv is not None)
+        req = request_from(msg, self.vocab_size, self.eos_token_id, **self._intake_features)
         if isinstance(req, str):
             self._reject(msg.request_id, req)
             return
         self.inflight.add(msg.request_id)
-        if self.lora is not None and req.lora is not None:
-            # held until every rank has its adapter (None), or refused (the reason)
-            routed = self.lora.route(req)
-            if routed is None:
-                return
-            if isinstance(routed, str):
-                self.inflight.discard(req.request_id)
-                self._reject(req.request_id, routed)
-                return
         self._admit(req)
 
-    def _lora_users(self) -> Iterable[Request]:
-        return chain(self.grammars.requests(), self.scheduler.requests.values())
+    def _requests_beside(self, pen: HoldingPen) -> Iterable[Request]:
+        """The live requests outside ``pen``: the other pens' and the scheduler's."""
+        others = (p.requests() for p in self.pens if p is not pen)
+        return chain(chain.from_iterable(others), self.scheduler.requests.values())
 
-    def _admit(self, req: Request) -> None:
-        if req.sampling_params.structured_outputs is not None:
-            # held until every rank compiled its grammar, so no step ever waits for one
-            self.link.pub.send(self.encoder.encode(self.grammars.hold(req)))
-        else:
-            self.scheduler.add_request(req)
+    def _admit(self, req: Request, start: int = 0) -> None:
+        """Offer ``req`` to each pen from ``start`` on (a released request goes on past the pen
+        that held it), then give it to the scheduler; a pen may hold it or refuse it."""
+        for pen in self.pens[start:]:
+            held = pen.hold(req)
+            if isinstance(held, str):
+                self.inflight.discard(req.request_id)
+                self._reject(req.request_id, held)
+                return
+            if held:
+                return
+        self.scheduler.add_request(req)
 
     def _reject(self, request_id: str, reason: str) -> None:
         self.frontend.reject(request_id, reason)
@@ -399,9 +385,15 @@ class EngineCore:
             num_running=int(stats.get("num_running", 0)),
             num_waiting=self.num_waiting(),
             kv_usage=float(stats.get("kv_usage", 0.0)),
-            stats={**stats, **self.grammars.stats()},
+            stats=self._stats_with_pens(stats),
             census=core_census(self),
         )
+
+    def _stats_with_pens(self, stats: dict[str, float]) -> dict[str, float]:
+        merged = dict(stats)
+        for pen in self.pens:
+            merged.update(pen.stats())
+        return merged
 
     # ------------------------------------------------------------------ shutdown
 
@@ -423,16 +415,14 @@ class EngineCore:
         scheduler: Scheduler | None = getattr(self, "scheduler", None)  # None before handshake
         if scheduler is not None:
             scheduler.close()  # finishes the scheduler trace file
-        if self.lora is not None:
-            self.lora.close()
         try:
             self.link.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:
             pass
         self.link.close()
         self.frontend.close()
-        if self.kv is not None:
-            self.kv.close()
+        for pen in self.pens:
+            pen.close()
 
 
 def main() -> int:

@@ -14,9 +14,8 @@ import zmq
 
 from protocol.codec import Encoder, ProtocolError, worker_decoder
 from protocol.config import EngineConfig
-from protocol.kv_connector import KVConnectorReport
 from protocol.liveness import process_running
-from protocol.messages import GrammarReady, HealthPing, HealthPong, LoRAReady, WorkerError
+from protocol.messages import HealthPing, HealthPong, WorkerError
 from protocol.transport import Endpoints, make_socket, recv_frame
 
 PING_INTERVAL_S = 0.5  # workers exit after ~1.5 s without hearing from us
@@ -49,13 +48,11 @@ class WorkerLink:
         self.ping_nonce = 0
         self.parent_pid = os.getppid()
         self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks on this host
-        # the ranks' answers to PrepareGrammar, whichever read found them (mid-step or idle);
-        # the core settles them between steps (engine_core.grammar_gate)
-        self.grammar_replies: list[GrammarReady] = []
-        # the ranks' KV connector reports, likewise (engine_core/kv_connector/engine_side.py)
-        self.kv_reports: list[KVConnectorReport] = []
-        # the ranks' answers to PrepareLoRA, settled the same way (engine_core.lora.registry)
-        self.lora_replies: list[LoRAReady] = []
+        # the ranks' messages for the core's holding pens (engine_core.pens), whichever read
+        # found them (mid-step or idle), in arrival order; the core routes them between steps.
+        # ``reply_types`` (set by the core from its pens) says which messages are kept.
+        self.reply_types: frozenset[type[msgspec.Struct]] = frozenset()
+        self.replies: list[msgspec.Struct] = []
         # each rank's map sizes from its latest pong (workers/census.py), for the census
         self.rank_census: dict[int, dict[str, int]] = {}
 
@@ -80,12 +77,8 @@ class WorkerLink:
         rank = getattr(msg, "rank", None)
         if isinstance(rank, int) and 0 <= rank < self.world_size:
             self.last_seen[rank] = time.monotonic()
-        if isinstance(msg, GrammarReady):
-            self.grammar_replies.append(msg)
-        elif isinstance(msg, KVConnectorReport):
-            self.kv_reports.append(msg)
-        elif isinstance(msg, LoRAReady):
-            self.lora_replies.append(msg)
+        if type(msg) in self.reply_types:
+            self.replies.append(msg)
         elif isinstance(msg, HealthPong) and 0 <= msg.rank < self.world_size:
             self.rank_census[msg.rank] = msg.census
         return msg

@@ -21,14 +21,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine_core.lora.registry import identity_error
-from engine_core.validation import (
+from engine_core.frontend.validation import (
     validate_cache_salt,
     validate_job,
     validate_priority,
     validate_request_id,
     validate_sampling,
 )
+from engine_core.lora.registry import identity_error
 from launch.admission import QueueBound, Ticket
 from launch.request_options import NO_OPTIONS, RequestOptions
 from protocol.codec import Encoder, ProtocolError, engine_decoder, pack

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.validation import (
+from engine_core.frontend.validation import (
     derived_seed,
     sampling_error,
     validate_cache_salt,

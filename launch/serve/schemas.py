@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API as vLLM accepts them (pydantic; unknown fields accepted).
 
 Types are checked here; values (temperature range, token ids, ...) are checked by the engine's
-own validation (engine_core.validation), so a client gets the same message over HTTP as from the
-Python API.
+own validation (engine_core.frontend.validation), so a client gets the same message over HTTP as
+from the Python API.
 """
 
 from __future__ import annotations

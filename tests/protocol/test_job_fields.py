@@ -3,7 +3,7 @@ empty map), and a job round-trips inside them."""
 
 from __future__ import annotations
 
-from engine_core.validation import validate_job
+from engine_core.frontend.validation import validate_job
 from protocol.codec import Encoder, frontend_decoder
 from protocol.messages import AddRequest, SamplingParams
 from protocol.request_options import JobInfo, RequestOptions

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine_core.grammar_gate import GrammarGate
+from engine_core.grammar.gate import GrammarGate
 from engine_core.request import Request, RequestStatus
 from launch import LLM, SamplingParams, StructuredOutputsParams
 from launch.client import Sink

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import time
 
-from engine_core.lora.registry import NOT_ENABLED
-from engine_core.request import Request
-from engine_core.validation import (
+from engine_core.frontend.validation import (
     validate_cache_salt,
     validate_job,
     validate_priority,
@@ -19,6 +17,8 @@ from engine_core.validation import (
     validate_request_id,
     validate_sampling,
 )
+from engine_core.lora.registry import NOT_ENABLED
+from engine_core.request import Request
 from protocol.codec import ProtocolError, unpack
 from protocol.messages import AddRequest
 
