@@ -38,6 +38,7 @@ from workers.runner.block_table import StateMismatchError
 
 if TYPE_CHECKING:
     from workers.lora.weights import PreparedAdapter
+    from workers.model.llama import LlamaForCausalLM
     from workers.runner.input_batch import BatchInputs, CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def slot_rank(config: EngineConfig) -> int:
 
 
 class LoRAManager:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, batch: InputBatch,
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, batch: InputBatch,
                  dtype: torch.dtype, device: torch.device, path: str | None = None) -> None:
         """``path``: the kernel path (grouped.PATHS), None to choose it for the device."""
         self.rank = slot_rank(config)
