@@ -51,10 +51,12 @@ def parse_lora_module(text: str) -> LoRAModule:
                 f"--lora-modules: unknown key(s) {unknown} in {text!r} (expected name, path, "
                 "base_model_name)")
         name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
-        for key, value in (("name", name), ("path", path)):
-            if not isinstance(value, str) or not value:
-                raise argparse.ArgumentTypeError(
-                    f"--lora-modules: {key!r} must be a non-empty string in {text!r}")
+        if not isinstance(name, str) or not name:
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules: 'name' must be a non-empty string in {text!r}")
+        if not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules: 'path' must be a non-empty string in {text!r}")
         if base is not None and not isinstance(base, str):
             raise argparse.ArgumentTypeError(
                 f"--lora-modules: 'base_model_name' must be a string in {text!r}")
@@ -124,7 +126,8 @@ def per_prompt_loras(lora_request: LoRAArg, n: int, enabled: bool) -> list[LoRAR
     """LLM.generate's ``lora_request`` as one entry per prompt (ValueError when it cannot be)."""
     if lora_request is None:
         return [None] * n
-    loras = [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request)
+    loras: list[LoRARequest | None] = (
+        [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request))
     if len(loras) != n:
         raise ValueError(f"{len(loras)} lora requests for {n} prompts")
     bad = [x for x in loras if x is not None and not isinstance(x, LoRARequest)]

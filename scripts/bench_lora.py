@@ -74,7 +74,7 @@ class Timing(NamedTuple):
     # processes on a shared machine do not inflate
 
 
-class Bench:
+class LoRABench:
     """One runner and the requests it is running; every wave finishes the previous one."""
 
     def __init__(self, model: str, max_len: int, **lora: object) -> None:
@@ -167,8 +167,8 @@ def run(args: argparse.Namespace, paths: dict[int, str]) -> dict:
     # few percent (where their buffers landed), which must not pass for LoRA's cost.
     offs, ons = [], []
     for _ in range(2):
-        offs.append(Bench(args.model, max_len))
-        ons.append(Bench(args.model, max_len, enable_lora=True, max_loras=32,
+        offs.append(LoRABench(args.model, max_len))
+        ons.append(LoRABench(args.model, max_len, enable_lora=True, max_loras=32,
                          max_lora_rank=args.rank, max_cpu_loras=48))
     cold = [ons[0].prepare(i, p) for i, p in paths.items()]
     for i, p in paths.items():
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace, paths: dict[int, str]) -> dict:
         on.runner.lora.apply_ops([on.op(i % 32, 1 + (i + 7) % 32)])
         swap.append(time.perf_counter() - t0)
 
-    thrash = Bench(args.model, max_len, enable_lora=True, max_loras=8, max_lora_rank=args.rank,
+    thrash = LoRABench(args.model, max_len, enable_lora=True, max_loras=8, max_lora_rank=args.rank,
                    max_cpu_loras=16)
     for i in range(1, 17):
         thrash.prepare(i, paths[i])

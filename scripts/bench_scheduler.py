@@ -74,7 +74,7 @@ def fake_model_output(sched: Scheduler, step_id: int, rng: random.Random) -> Mod
     )
 
 
-class Bench:
+class SchedulerBench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
@@ -128,7 +128,7 @@ class Bench:
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
-    b = Bench(args)
+    b = SchedulerBench(args)
     if args.gc_freeze:
         gc.freeze()  # what a long-running engine does after start-up: older objects not rescanned
     if args.mixed:

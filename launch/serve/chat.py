@@ -66,6 +66,7 @@ async def create_chat_completion(
         chat_prompt, ctx, req.messages, req.add_generation_prompt, req.add_special_tokens
     )
     # `is None`, not `or`: max_completion_tokens=0 is a value (refused), not "unset"
+    max_tokens: int | None
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -158,7 +158,8 @@ class ServerContext:
             cache_salt=req.cache_salt,
         )
         # responses name the adapter that answered (vLLM's), else the base model
-        gen.model_name = req.model if lora is not None else self.model_name
+        # (the adapters are served under their lora_name, so that is the name req.model gave)
+        gen.model_name = lora.lora_name if lora is not None else self.model_name
         gen.validate()
         return gen
 

@@ -65,8 +65,8 @@ class GatherScratch:
 
     def get(self, which: int, numel: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._bufs[which]
-        stale = buf is None or buf.dtype != like.dtype or buf.device != like.device
-        if stale or buf.numel() < numel:
+        if (buf is None or buf.dtype != like.dtype or buf.device != like.device
+                or buf.numel() < numel):
             buf = self._bufs[which] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buf[:numel]
 
@@ -125,18 +125,26 @@ class Prefill:
 
 
 @dataclass
+class ShortQueries:
+    """The batched short queries (decodes, drafts) of a step: D requests of at most Q new tokens
+    each, attended in one call. Their tensors exist together, so one plan field holds them."""
+
+    blocks: torch.Tensor  # [D, n_blocks] int64
+    allowed: torch.Tensor  # [D, Q, n_blocks * block_size] bool
+    # token index of query j of request d, padded by repeating the request's last token;
+    # None: a pure decode batch, tokens 0..D-1
+    tok: torch.Tensor | None  # [D, Q] int64
+    valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
+
+
+@dataclass
 class AttentionPlan:
     """Per-step index work shared by every layer: built once per forward, not once per layer."""
 
     num_tokens: int  # real (non-padding) new tokens
-    # batched short queries: token index of query j of request d, padded by repeating the
-    # request's last token; None: a pure decode batch, tokens 0..D-1
-    decode_tok: torch.Tensor | None  # [D, Q] int64
-    decode_blocks: torch.Tensor | None  # [D, n_blocks] int64
-    decode_allowed: torch.Tensor | None  # [D, Q, n_blocks * block_size] bool
+    short: ShortQueries | None  # None: no request is a batched short query
     prefills: list[Prefill]
     scratch: GatherScratch | None = None
-    decode_valid: torch.Tensor | None = None  # [D, Q] bool, which queries are real; None: all
     # The CPU kernel computes requests with at most this many new tokens (0: none of them).
     kernel_max_query_len: int = 0
     sliding_window: int = 0  # the layer group's window, 0 = full attention
@@ -156,12 +164,12 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
     num_reqs = len(seq_lens)
     window = sliding_window
     if kernel_all:
-        return AttentionPlan(int(qsl[num_reqs]), None, None, None, [], scratch,
+        return AttentionPlan(int(qsl[num_reqs]), None, [], scratch,
                              kernel_max_query_len=KERNEL_ANY_LENGTH, sliding_window=window)
     query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
     short = (query_lens >= 1) & (query_lens <= MAX_BATCHED_QUERY)
     decode_reqs = np.flatnonzero(short) if short_queries else np.zeros(0, dtype=np.int64)
-    tok = blocks = allowed = valid = None
+    short_queries_plan = None
     if len(decode_reqs):
         n_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
         rows = torch.from_numpy(decode_reqs.astype(np.int64)).to(device)
@@ -170,6 +178,7 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
         keys = torch.arange(n_blocks * block_size, device=device)
         qlens_np = query_lens[decode_reqs]
         q_max = int(qlens_np.max())
+        valid = None
         if q_max == 1:
             allowed = keys.unsqueeze(0) < lens[:, None]
             if window:  # the query at len - 1 sees keys from len - window on
@@ -189,8 +198,10 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
             if not (qlens_np == q_max).all():
                 valid = torch.from_numpy(j[None, :] < qlens_np[:, None]).to(device)
         # Pure decode batches (the steady state) need no gather/scatter of q and out.
+        tok = None
         if not (q_max == 1 and len(decode_reqs) == num_reqs and tok_np[-1, 0] == num_reqs - 1):
             tok = torch.from_numpy(tok_np.astype(np.int64)).to(device)
+        short_queries_plan = ShortQueries(blocks, allowed, tok, valid)
     prefills = []
     for i in np.flatnonzero(~short & (query_lens > 0)):
         start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
@@ -209,7 +220,7 @@ def plan_attention(meta: AttentionMetadata, block_size: int, device: torch.devic
                                  meta.block_table[int(i), first:n_blocks].long()[None],
                                  seq_len - k0, mask.unsqueeze(0)))
     kernel_max = MAX_BATCHED_QUERY if not short_queries and short.any() else 0
-    return AttentionPlan(int(qsl[num_reqs]), tok, blocks, allowed, prefills, scratch, valid,
+    return AttentionPlan(int(qsl[num_reqs]), short_queries_plan, prefills, scratch,
                          kernel_max_query_len=kernel_max, sliding_window=window)
 
 
@@ -242,19 +253,20 @@ def attend_planned(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     """Fill out's rows for the plan's batched short queries and the given prefill chunks,
     gathering each one's context from the cache."""
     attend = _attend_sdpa if USE_SDPA else _attend
-    if plan.decode_blocks is not None:
-        k = _gather_context(k_cache, plan.decode_blocks, plan.scratch, 0)  # [D, S, KVH, hd]
-        v = _gather_context(v_cache, plan.decode_blocks, plan.scratch, 1)
-        if plan.decode_tok is None:
-            d = plan.decode_blocks.shape[0]
-            out[:d] = attend(q[:d].unsqueeze(1), k, v, plan.decode_allowed, scale).squeeze(1)
+    sq = plan.short
+    if sq is not None:
+        k = _gather_context(k_cache, sq.blocks, plan.scratch, 0)  # [D, S, KVH, hd]
+        v = _gather_context(v_cache, sq.blocks, plan.scratch, 1)
+        if sq.tok is None:
+            d = sq.blocks.shape[0]
+            out[:d] = attend(q[:d].unsqueeze(1), k, v, sq.allowed, scale).squeeze(1)
         else:
-            tok = plan.decode_tok
-            o = attend(q[tok], k, v, plan.decode_allowed, scale)  # [D, Q, H, hd]
-            if plan.decode_valid is None:
+            tok = sq.tok
+            o = attend(q[tok], k, v, sq.allowed, scale)  # [D, Q, H, hd]
+            if sq.valid is None:
                 out[tok.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:  # padded queries repeat a real token: write only the real ones
-                out[tok[plan.decode_valid]] = o[plan.decode_valid]
+                out[tok[sq.valid]] = o[sq.valid]
     for p in prefills:
         k = _gather_context(k_cache, p.blocks, plan.scratch, 0)[:, : p.seq_len]
         v = _gather_context(v_cache, p.blocks, plan.scratch, 1)[:, : p.seq_len]

@@ -145,7 +145,7 @@ class BlockServer:
         if status != PEER_OK:
             self._reply(ident, PeerReply(seq=msg.seq, status=status, error=error))
             return
-        bufs = [memoryview(p.numpy()).cast("B") for p in parts]
+        bufs = [p.numpy().data.cast("B") for p in parts]
         # zero-copy: ZeroMQ reads the leased blocks themselves (held until the decode engine
         # is done) or the gathered copies, which the frames keep alive
         self.sock.send_multipart([ident, self._encoder.encode(

@@ -18,7 +18,8 @@ from protocol.codec import Encoder, ProtocolError
 from protocol.kv_peer import PeerHello, PeerInfo, PeerMessage, PeerReply, peer_decoder
 from protocol.transport import make_socket
 
-_BROKEN = {
+# keyed by the monitor event's number, as recv_monitor_message reports it
+_BROKEN: dict[int, str] = {
     zmq.EVENT_DISCONNECTED: "the connection dropped (the prefill engine died?)",
     zmq.EVENT_CONNECT_RETRIED: "connection refused (no prefill engine listens there)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed (CURVE keys differ: is "

@@ -13,9 +13,13 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from workers.model.llama import LlamaForCausalLM
 
 
 class SharedCaches:
@@ -44,14 +48,14 @@ class SharedCaches:
         os.close(self.fd)
 
 
-def rebind_model_caches(model: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+def rebind_model_caches(model: LlamaForCausalLM, tensors: list[torch.Tensor]) -> None:
     """Point every attention layer (and model.kv_caches) at ``tensors``: [k0, v0, k1, v1, ..]
-    in the order of model.kv_caches."""
+    in the order of model.kv_caches; layer i takes the pair of its cache slot, as
+    allocate_kv_cache gave it."""
     pairs = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
-    slots = getattr(model, "layer_slot", None)
-    for i, layer in enumerate(model.layers):  # type: ignore[union-attr,arg-type]
+    for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        attn.k_cache, attn.v_cache = pairs[slots[i] if slots is not None else i]
+        attn.k_cache, attn.v_cache = pairs[model.layer_slot[i]]
     model.kv_caches = pairs
 
 

@@ -22,6 +22,7 @@ from workers.parallel.distributed import tp_all_reduce
 if TYPE_CHECKING:
     from workers.lora.slots import SlotBuffers
     from workers.lora.weights import LoRATarget
+    from workers.model.llama import LlamaForCausalLM
 
 
 class LoRAState:
@@ -71,7 +72,7 @@ class LoRARowParallelLinear(nn.Module):
         return y + base.bias if base.bias is not None else y
 
 
-def install(model: nn.Module, targets: list[LoRATarget],
+def install(model: LlamaForCausalLM, targets: list[LoRATarget],
             buffers: dict[tuple[int, str], SlotBuffers], state: LoRAState) -> None:
     """Wrap every target's base linear (once, after the weights are loaded and prepacked)."""
     for t in targets:

@@ -31,13 +31,14 @@ from protocol.lora import LoRARequest, LoRASlotOp
 from workers.lora.grouped import group_tokens, select_path
 from workers.lora.layers import LoRAState, install
 from workers.lora.peft_config import LoRAAdapterError, max_rank
-from workers.lora.slots import LoRASlots
+from workers.lora.slots import SlotWeights
 from workers.lora.weights import lora_targets
 from workers.parallel.distributed import tp_all_reduce_min
 from workers.runner.block_table import StateMismatchError
 
 if TYPE_CHECKING:
     from workers.lora.weights import PreparedAdapter
+    from workers.model.llama import LlamaForCausalLM
     from workers.runner.input_batch import BatchInputs, CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def slot_rank(config: EngineConfig) -> int:
 
 
 class LoRAManager:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, batch: InputBatch,
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, batch: InputBatch,
                  dtype: torch.dtype, device: torch.device, path: str | None = None) -> None:
         """``path``: the kernel path (grouped.PATHS), None to choose it for the device."""
         self.rank = slot_rank(config)
@@ -74,7 +75,7 @@ class LoRAManager:
             raise ValueError("--enable-lora: this model has no linear layer LoRA can adapt")
         max_cpu = config.max_cpu_loras if config.max_cpu_loras is not None else config.max_loras
         path = path or select_path(device)
-        self.slots = LoRASlots(targets, config.max_loras, self.rank, max_cpu, dtype, device,
+        self.slots = SlotWeights(targets, config.max_loras, self.rank, max_cpu, dtype, device,
                                packed=path == "triton")
         self.state = LoRAState(path)
         install(model, targets, self.slots.buffers, self.state)

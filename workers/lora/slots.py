@@ -88,7 +88,11 @@ class SlotBuffers:
         b[:, r:].zero_()
 
 
-class LoRASlots:
+class SlotWeights:
+    """This rank's side of the adapter slots: every target's slot buffers, the id -> slot map
+    that the engine core's LoRASlotOps imply, and the host cache the slots are filled from.
+    (The engine core's LoRASlots decides the assignment; this only holds the weights.)"""
+
     def __init__(self, targets: list[LoRATarget], num_slots: int, rank: int,
                  max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
                  packed: bool) -> None:

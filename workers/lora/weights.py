@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -33,6 +34,9 @@ from workers.lora.peft_config import (
     check_adapter,
     parse_header,
 )
+
+if TYPE_CHECKING:
+    from workers.model.llama import LlamaForCausalLM
 
 _LINEAR = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
@@ -65,7 +69,7 @@ class LoRATarget:
         return f"model.layers.{self.layer}.{self.block}.{projection}"
 
 
-def lora_targets(model: torch.nn.Module) -> list[LoRATarget]:
+def lora_targets(model: LlamaForCausalLM) -> list[LoRATarget]:
     """Every linear of a Llama-family model (LlamaForCausalLM and its subclasses) LoRA can
     adapt on this rank; mixture-of-experts layers have no dense MLP to adapt."""
     cfg, lay = model.cfg, model.layout

@@ -70,7 +70,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # llama3 lists several; the first is the canonical one
             eos = eos[0] if eos else None
-        return cls(
+        config = cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
@@ -91,25 +91,28 @@ class ModelConfig:
             torch_dtype=_checkpoint_dtype(d),
             model_type=model_type,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            **_moe_fields(d, model_type),
         )
+        return _with_moe_fields(config, d, model_type)
 
 
-def _moe_fields(d: dict, model_type: str) -> dict:
+def _with_moe_fields(config: ModelConfig, d: dict, model_type: str) -> ModelConfig:
     """Expert keys as transformers reads them: Qwen3-MoE's num_experts (transformers 5 also
     writes num_local_experts), Mixtral's num_local_experts; Mixtral always renormalises the
-    top-k weights, Qwen3-MoE only with norm_topk_prob (default off)."""
+    top-k weights, Qwen3-MoE only with norm_topk_prob (default off). Spelled out as keywords of
+    `replace` (not a **dict) so each field keeps its own type."""
     if model_type not in ("qwen3_moe", "mixtral"):
-        return {}
+        return config
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
     if model_type == "mixtral":
-        return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
-                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
-    return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
-                moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-                mlp_only_layers=[int(i) for i in d.get("mlp_only_layers") or []])
+        return replace(config, num_experts=experts,
+                       num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                       moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
+    return replace(config, num_experts=experts,
+                   num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+                   moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=[int(i) for i in d.get("mlp_only_layers") or []])
 
 
 def _checkpoint_dtype(d: dict) -> str | None:
@@ -215,26 +218,27 @@ DUMMY_PRESETS |= {
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
     ),
 }
-_QWEN3 = dict(vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-              rope_scaling=None, max_position_embeddings=40960, bos_token_id=151643,
-              eos_token_id=151645, model_type="qwen3", qk_norm=True,
-              torch_dtype="bfloat16")
+# Qwen/Qwen3-0.6B; the larger Qwen3 presets differ from it only in their sizes
+_QWEN3_0_6B = ModelConfig(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, model_type="qwen3",
+    qk_norm=True, torch_dtype="bfloat16",
+)
 DUMMY_PRESETS |= {
-    # Qwen/Qwen3-0.6B
-    "qwen3-0.6b": ModelConfig(**_QWEN3, hidden_size=1024, intermediate_size=3072,
-                              num_hidden_layers=28, num_attention_heads=16,
-                              num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-0.6b": _QWEN3_0_6B,
     # Qwen/Qwen3-8B
-    "qwen3-8b": ModelConfig(**_QWEN3, hidden_size=4096, intermediate_size=12288,
-                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                            tie_word_embeddings=False),
+    "qwen3-8b": replace(_QWEN3_0_6B, hidden_size=4096, intermediate_size=12288,
+                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                        tie_word_embeddings=False),
     # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token, every layer sparse
-    "qwen3-30b-a3b": ModelConfig(**(_QWEN3 | {"model_type": "qwen3_moe"}), hidden_size=2048,
-                                 intermediate_size=6144, num_hidden_layers=48,
-                                 num_attention_heads=32, num_key_value_heads=4,
-                                 tie_word_embeddings=False, num_experts=128,
-                                 num_experts_per_tok=8, moe_intermediate_size=768,
-                                 norm_topk_prob=True),
+    "qwen3-30b-a3b": replace(_QWEN3_0_6B, model_type="qwen3_moe", hidden_size=2048,
+                             intermediate_size=6144, num_hidden_layers=48,
+                             num_attention_heads=32, num_key_value_heads=4,
+                             tie_word_embeddings=False, num_experts=128,
+                             num_experts_per_tok=8, moe_intermediate_size=768,
+                             norm_topk_prob=True),
     # mistralai/Mixtral-8x7B-v0.1
     "mixtral-8x7b": ModelConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -249,16 +253,18 @@ REAL_SHAPE_PRESETS = frozenset({"llama-1b", "llama-8b", "qwen2-0.5b", "smollm2-1
 
 # Small random MoE for CPU runs, and a dense model of the same active size (its MLP is the
 # 4 routed experts' width), so the two can be compared step for step. Drawn like dummy:tiny.
-_SMALL_QWEN3 = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
-                    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=2048,
-                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, qk_norm=True,
-                    torch_dtype="float32")
+_QWEN3_TINY = ModelConfig(
+    vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=2048,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, model_type="qwen3", qk_norm=True,
+    torch_dtype="float32",
+)
 DUMMY_PRESETS |= {
-    "qwen3-moe-tiny": ModelConfig(**_SMALL_QWEN3, intermediate_size=512,
-                                  model_type="qwen3_moe", num_experts=32, num_experts_per_tok=4,
-                                  moe_intermediate_size=128, norm_topk_prob=True),
-    "qwen3-tiny": ModelConfig(**_SMALL_QWEN3, intermediate_size=512, model_type="qwen3"),
+    "qwen3-moe-tiny": replace(_QWEN3_TINY, model_type="qwen3_moe", num_experts=32,
+                              num_experts_per_tok=4, moe_intermediate_size=128,
+                              norm_topk_prob=True),
+    "qwen3-tiny": _QWEN3_TINY,
 }
 REAL_SHAPE_INIT_STD = 0.02
 
@@ -269,8 +275,11 @@ def dummy_config(name: str) -> ModelConfig:
     if preset not in DUMMY_PRESETS:
         raise ValueError(f"unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
     base = DUMMY_PRESETS[preset]
+    # presets derived with `replace` share their list fields with their base, so every mutable
+    # field is copied here
     return replace(base, rope_scaling=_copy(base.rope_scaling),
-                   mlp_only_layers=list(base.mlp_only_layers))
+                   mlp_only_layers=list(base.mlp_only_layers),
+                   layer_windows=list(base.layer_windows))
 
 
 def _copy(d: dict | None) -> dict | None:

@@ -54,6 +54,8 @@ def _config_from_reader(reader: GGUFReader, tensor_names: set[str]) -> ModelConf
     hidden = int(_field(reader, "llama.embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, "llama.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise ValueError("GGUF file names no llama.vocab_size and carries no token list")
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,

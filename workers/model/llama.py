@@ -29,6 +29,7 @@ from workers.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
+    TypedModuleList,
     VocabParallelEmbedding,
     pad_to_multiple,
 )
@@ -139,17 +140,29 @@ class LlamaMLP(nn.Module):
         self.down_proj.weight.copy_(read_padded(src, f"{prefix}.down_proj.weight", 1, s, e))
 
 
+class DecoderMLP(Protocol):
+    """What a decoder layer needs of its MLP block: LlamaMLP, or a family's own (the sparse MoE
+    block, which lives below this module and so cannot be named here)."""
+
+    hf_name: str  # its weights' name under model.layers.{i}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def load(self, src: WeightSource, prefix: str) -> None: ...
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: TPLayout, rope: RotaryEmbedding, tp_rank: int,
-                 dtype: torch.dtype, device: torch.device, self_attn: nn.Module | None = None,
-                 mlp: nn.Module | None = None):
+                 dtype: torch.dtype, device: torch.device,
+                 self_attn: LlamaAttention | None = None, mlp: DecoderMLP | None = None):
         """self_attn / mlp: a model family's own blocks (same call and load interface), else
         Llama's."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = self_attn or LlamaAttention(cfg, lay, rope, tp_rank, dtype, device)
+        self.self_attn: LlamaAttention = (
+            self_attn or LlamaAttention(cfg, lay, rope, tp_rank, dtype, device))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = mlp or LlamaMLP(cfg, lay, tp_rank, dtype, device)
+        self.mlp: DecoderMLP = mlp or LlamaMLP(cfg, lay, tp_rank, dtype, device)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionStep,
                 delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.rope_scaling, device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
                                                    tp_size, dtype, device)
-        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
+        self.layers = TypedModuleList(self.make_layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(tied, cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size,
@@ -264,8 +277,10 @@ class LlamaForCausalLM(nn.Module):
         """Reorder the linear weights for the CPU matmul library; call once, after loading
         (later in-place weight edits would not reach the packed copies)."""
         for m in self.modules():
-            if m is not self and hasattr(m, "prepack"):
-                m.prepack()
+            # the layers that keep a packed copy say so with a prepack() method
+            prepack = getattr(m, "prepack", None)
+            if m is not self and callable(prepack):
+                prepack()
 
     @torch.no_grad()
     def load_weights(self, src: WeightSource) -> None:

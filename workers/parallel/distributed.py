@@ -62,10 +62,10 @@ def init_distributed(device: str = "auto", timeout_s: float = 60,
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(var):
                 raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set")
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        # NCCL binds the group to this rank's device up front; gloo takes no device
         dist.init_process_group(
             backend=backend, init_method="env://", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s), **kwargs,
+            timeout=timedelta(seconds=timeout_s), device_id=dev if backend == "nccl" else None,
         )
     if dist.is_initialized():
         backend = str(dist.get_backend())

@@ -65,8 +65,9 @@ class ShmCommunicator:
         then it is unlinked."""
         shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(
             os.environ.get("TMPDIR", "/tmp"))
-        name = [str(shm_dir / f"tandem-tp-{uuid.uuid4().hex}")] if rank == 0 else [None]
-        comm = cls(rank, world, name[0], create=True) if rank == 0 else None
+        path = str(shm_dir / f"tandem-tp-{uuid.uuid4().hex}")  # only rank 0's is used
+        comm = cls(rank, world, path, create=True) if rank == 0 else None
+        name: list[str | None] = [path if rank == 0 else None]
         dist.broadcast_object_list(name, src=0)
         if comm is None:
             comm = cls(rank, world, str(name[0]), create=False)

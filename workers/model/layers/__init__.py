@@ -13,11 +13,13 @@ from workers.model.layers.linear import (
     param,
     prepack,
 )
+from workers.model.layers.module_list import TypedModuleList
 from workers.model.layers.norm import RMSNorm
 from workers.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 __all__ = [
     "ColumnParallelLinear", "KernelPath", "ParallelLMHead", "RMSNorm", "RotaryEmbedding",
-    "RowParallelLinear", "SiluAndMul", "VocabParallelEmbedding", "kernel_path", "linear",
-    "pad_to_multiple", "param", "prepack", "reselect_kernels", "rope_inv_freq", "silu_and_mul",
+    "RowParallelLinear", "SiluAndMul", "TypedModuleList", "VocabParallelEmbedding",
+    "kernel_path", "linear", "pad_to_multiple", "param", "prepack", "reselect_kernels",
+    "rope_inv_freq", "silu_and_mul",
 ]

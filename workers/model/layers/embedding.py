@@ -50,8 +50,16 @@ class ParallelLMHead(nn.Module):
         # also serves greedy decoding with a fused argmax (no logits written).
         self.pairs: torch.Tensor | None = None
 
+    def matrix(self) -> torch.Tensor:
+        """The [rows, hidden] weight the head multiplies by: the tied embedding's shard, else its
+        own (__init__ makes exactly one of the two)."""
+        if self.tied is not None:
+            return self.tied.weight
+        assert self.weight is not None, "an untied head owns its weight"
+        return self.weight
+
     def prepack(self) -> None:
-        weight = self.tied.weight if self.tied is not None else self.weight
+        weight = self.matrix()
         if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
                 and weight.shape[1] % 2 == 0 and cpu_ops.bf16_matmul_available()):
             self.pairs = cpu_ops.pack_bf16_pairs(weight.detach().contiguous())
@@ -65,7 +73,7 @@ class ParallelLMHead(nn.Module):
         return None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.tied.weight if self.tied is not None else self.weight
+        weight = self.matrix()
         pairs = self._pairs_for(hidden)
         if pairs is not None:
             y = cpu_ops.bf16_matmul(hidden.contiguous(), pairs, self.rows)[0]
@@ -82,7 +90,7 @@ class ParallelLMHead(nn.Module):
         bytes per request instead of the whole vocabulary. Ties resolve to the lowest id, as
         torch.argmax over the gathered logits would.
         """
-        weight = self.tied.weight if self.tied is not None else self.weight
+        weight = self.matrix()
         pad = max(0, self.start + self.rows - self.vocab)  # padding rows of the last shard
         pairs = self._pairs_for(hidden) if self.rows > pad else None
         if pairs is not None:

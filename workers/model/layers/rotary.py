@@ -38,6 +38,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """Rotate-half (GPT-NeoX / HF Llama) layout; cos/sin precomputed once for every position."""
 
+    # [max_positions, head_dim / 2] float32 tables, registered as (non-persistent) buffers so
+    # they follow the module's device; declared here because a buffer read through
+    # nn.Module.__getattr__ would type as `Tensor | Module`
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device):
         super().__init__()

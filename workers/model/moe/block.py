@@ -66,10 +66,11 @@ class SparseMoeBlock(nn.Module):
         self.inter = pad_to_multiple(cfg.moe_intermediate_size, tp_size) // tp_size
         self.inter_start = tp_rank * self.inter
         e, h = cfg.num_experts, cfg.hidden_size
-        zeros = dict(dtype=dtype, device=device)
         # gate rows then up rows of each expert, so one GEMM computes both
-        self.w13 = nn.Parameter(torch.zeros(e, 2 * self.inter, h, **zeros), requires_grad=False)
-        self.w2 = nn.Parameter(torch.zeros(e, h, self.inter, **zeros), requires_grad=False)
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * self.inter, h, dtype=dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(e, h, self.inter, dtype=dtype, device=device),
+                               requires_grad=False)
         # router logits in float32 whatever the model dtype: a rounding of the logits could
         # change which experts a token gets
         self.gate = nn.Parameter(torch.zeros(e, h, dtype=torch.float32, device=device),
