@@ -77,7 +77,7 @@ class EngineClient:
     def __init__(self, endpoints: Endpoints, max_frame_bytes: int = 64 * 1024 * 1024,
                  max_queued_requests: int | None = None) -> None:
         secret = secret_from_env()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.push = make_socket(self.ctx, zmq.PUSH, endpoints.requests, bind=False, secret=secret)
         self.pull = make_socket(self.ctx, zmq.PULL, endpoints.outputs, bind=False, secret=secret)
         self.encoder = Encoder()

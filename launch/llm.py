@@ -6,7 +6,7 @@ import atexit
 import queue
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -440,10 +440,10 @@ class LLM:
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    seq = list(prompts)
+    seq: list[Any] = list(prompts)
     if seq and isinstance(seq[0], int):
-        return [seq]  # one token-id prompt
-    return seq
+        return [cast(list[int], seq)]  # one token-id prompt
+    return cast(list[Prompt], seq)
 
 
 def _get(sink: Sink, deadline: float | None) -> Delivery:

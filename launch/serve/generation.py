@@ -135,9 +135,9 @@ class Generation:
 
     def validate(self) -> None:
         """The engine's own checks, run here first so a bad request is a 400 at once."""
-        err = sampling_error(self.params)
-        if err is not None:
-            raise bad_request(err[1], err[0])
+        field_err = sampling_error(self.params)
+        if field_err is not None:
+            raise bad_request(field_err[1], field_err[0])
         reason = validate_priority(self.priority)
         if reason is not None:
             raise bad_request(reason, "priority")
