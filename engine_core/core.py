@@ -29,6 +29,7 @@ from engine_core.frontend_link import FrontendLink
 from engine_core.grammar_gate import GrammarGate
 from engine_core.handshake import build_scheduler, collect_hellos
 from engine_core.intake import request_from
+from engine_core.kv_cache.events import NO_PUBLISHER, attach_kv_events
 from engine_core.kv_connector.engine_side import KVConnectorEngine, attach_connector
 from engine_core.lora.registry import LoRARegistry
 from engine_core.lora.registry import control as lora_control
@@ -106,6 +107,7 @@ class EngineCore:
         here = socket.gethostname()
         self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         self.scheduler = build_scheduler(self.config, hellos)
+        self.kv_events = attach_kv_events(self.config, self.scheduler)  # a no-op when off
         if self.kv is not None:
             attach_connector(self.kv, self.scheduler, hellos)
         self.frontend.num_waiting = self.num_waiting
@@ -195,6 +197,7 @@ class EngineCore:
         self._flush(outputs)
         self._flush(self.scheduler.take_outputs())
         self.steps += 1
+        self.kv_events.end_step()
         if self.timeline.enabled:
             self.timeline.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, nbytes)
         if so.total_num_scheduled_tokens == 0 and not outputs and not in_flight:
@@ -423,6 +426,7 @@ class EngineCore:
         scheduler: Scheduler | None = getattr(self, "scheduler", None)  # None before handshake
         if scheduler is not None:
             scheduler.close()  # finishes the scheduler trace file
+            getattr(self, "kv_events", NO_PUBLISHER).close()  # sends what is left
         if self.lora is not None:
             self.lora.close()
         try:
