@@ -6,7 +6,8 @@ which prefix.
 every batch is three frames on a PUB socket: the topic, an 8-byte big-endian sequence number
 (0, 1, 2, ... per publisher) and a msgpack payload ``[ts, events]``; each event is a msgpack map
 named by its ``"type"``: ``BlockStored`` (block_hashes, parent_block_hash, token_ids,
-block_size, lora_id, medium), ``BlockRemoved`` (block_hashes, medium), ``AllBlocksCleared``.
+block_size, lora_id, medium, lora_name: vllm-router refuses a BlockStored without it, even
+null), ``BlockRemoved`` (block_hashes, medium), ``AllBlocksCleared``.
 Hashes are unsigned 64-bit ints; the router hashes each block's token ids itself and links
 blocks by ``parent_block_hash``. A ROUTER socket on ``replay_endpoint`` answers a subscriber
 that missed batches: it sends ``[start_seq]`` and gets every buffered batch from there on as
@@ -90,7 +91,7 @@ def block_stored(hashes: list[int], parent: int | None, token_ids: list[int], bl
                  lora_id: int | None) -> dict[str, Any]:
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
             "token_ids": token_ids, "block_size": block_size, "lora_id": lora_id,
-            "medium": MEDIUM}
+            "medium": MEDIUM, "lora_name": None}
 
 
 def block_removed(hashes: list[int]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import msgspec
 U64 = (1 << 64) - 1
 _KEYS = {
     "BlockStored": {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                    "lora_id", "medium"},
+                    "lora_id", "medium", "lora_name"},
     "BlockRemoved": {"type", "block_hashes", "medium"},
     "AllBlocksCleared": {"type"},
 }
@@ -52,6 +52,7 @@ def check_event(e: Any) -> dict[str, Any]:
         assert isinstance(toks, list) and all(isinstance(t, int) and t >= 0 for t in toks)
         assert len(toks) == bs * len(hashes), "token_ids: block_size tokens per block"
         assert e["lora_id"] is None or isinstance(e["lora_id"], int)
+        assert e["lora_name"] is None or isinstance(e["lora_name"], str)
     return e
 
 
