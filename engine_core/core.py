@@ -28,6 +28,7 @@ from engine_core.census import core_census
 from engine_core.frontend.intake import request_from
 from engine_core.frontend.link import FrontendLink
 from engine_core.handshake import build_scheduler, collect_hellos
+from engine_core.kv_cache.events import NO_PUBLISHER, attach_kv_events
 from engine_core.pens.base import HoldingPen, Settled
 from engine_core.pens.setup import build_pens, control_routes, reply_routes
 from engine_core.request import Request, RequestStatus
@@ -103,6 +104,7 @@ class EngineCore:
         here = socket.gethostname()
         self.link.local_pids = {r: h.pid for r, h in hellos.items() if h.hostname == here}
         self.scheduler = build_scheduler(self.config, hellos)
+        self.kv_events = attach_kv_events(self.config, self.scheduler)  # a no-op when off
         for pen in self.pens:
             pen.start(self.scheduler, hellos)
         self.frontend.num_waiting = self.num_waiting
@@ -186,6 +188,7 @@ class EngineCore:
         self._flush(outputs)
         self._flush(self.scheduler.take_outputs())
         self.steps += 1
+        self.kv_events.end_step()
         if self.timeline.enabled:
             self.timeline.record(t0, t1, t2, t3, t4, t5, time.perf_counter(), so, out, nbytes)
         if so.total_num_scheduled_tokens == 0 and not outputs and not in_flight:
@@ -415,6 +418,7 @@ class EngineCore:
         scheduler: Scheduler | None = getattr(self, "scheduler", None)  # None before handshake
         if scheduler is not None:
             scheduler.close()  # finishes the scheduler trace file
+            getattr(self, "kv_events", NO_PUBLISHER).close()  # sends what is left
         try:
             self.link.pub.send(self.encoder.encode(Shutdown(reason)))
         except zmq.ZMQError:

@@ -158,6 +158,10 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
                    help='disaggregated prefill/decode, vLLM\'s JSON: {"kv_role": "kv_both"} '
                    '(+ "kv_connector": auto|nixl|tcp|shm, "kv_load_failure_policy": '
                    'recompute|fail, "kv_ip", "kv_port", "kv_lease_s", ...; see README)')
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help='KV cache events for a router, vLLM\'s JSON: {"enable_kv_cache_events": '
+                   'true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"} (+ '
+                   '"replay_endpoint", "topic", "buffer_steps", "hwm")')
     add_lora_args(p)
 
 
@@ -166,6 +170,15 @@ def _kv_transfer_config(text: str) -> Any:
 
     try:
         return parse_kv_transfer_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv_events_config(text: str) -> Any:
+    from protocol.kv_events import parse_kv_events_config
+
+    try:
+        return parse_kv_events_config(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.kv_connector import KVTransferConfig, kv_transfer_config_error
+from protocol.kv_events import KVEventsConfig, kv_events_config_error
 from protocol.lora import LoRARequest
 
 # The KV budget per rank on CPU when kv_cache_memory is not given (on CUDA it is sized from the
@@ -115,6 +116,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     lora_modules: list[LoRARequest] = []
     # disaggregated prefill / decode (protocol/kv_connector.py, --kv-transfer-config); None = off
     kv_transfer_config: KVTransferConfig | None = None
+    # KV cache events for a router's prefix index (protocol/kv_events.py, --kv-events-config);
+    # None = off
+    kv_events_config: KVEventsConfig | None = None
 
 
 def worker_overlap_on(config: EngineConfig, device_type: str) -> bool:
@@ -168,6 +172,10 @@ def config_error(config: EngineConfig) -> str | None:
         return "continuum_max_ttl must be > 0 and continuum_ttl >= 0 seconds"
     if config.kv_transfer_config is not None:
         err = kv_transfer_config_error(config.kv_transfer_config)
+        if err is not None:
+            return err
+    if config.kv_events_config is not None:
+        err = kv_events_config_error(config.kv_events_config)
         if err is not None:
             return err
     if config.max_queued_requests is not None and config.max_queued_requests < 1:

@@ -33,6 +33,25 @@ def key_group(key: BlockHash) -> int:
     return key[1] if type(key) is tuple else 0
 
 
+class KVEventSink:
+    """Where the pool reports what enters and leaves the prefix cache (KV cache events for a
+    router's index: engine_core/kv_cache/events.py). This default does nothing, so the pool
+    calls it unconditionally and the base path carries no feature branch."""
+
+    def stored(self, request: Request, blocks: list[KVCacheBlock], start: int, end: int,
+               group_id: int) -> None:
+        """blocks[start:end] of ``request`` were just offered to the prefix cache."""
+
+    def removed(self, key: BlockHash) -> None:
+        """The cached block under hash-map key ``key`` was dropped (evicted or uncached)."""
+
+    def cleared(self) -> None:
+        """Every cached prefix was forgotten."""
+
+
+NO_EVENTS = KVEventSink()
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1,
                  offload: KVOffloadManager | None = None) -> None:
@@ -51,6 +70,7 @@ class BlockPool:
         # the KV offload tiers: a cached block that is reused for another one is
         # offered to the host tier first, so its prefix can come back without a prefill
         self.offload = offload
+        self.events: KVEventSink = NO_EVENTS
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -79,6 +99,7 @@ class BlockPool:
                 table[h] = block
                 added += 1
         self.num_cached_blocks[group_id] += added
+        self.events.stored(request, blocks, num_cached, num_full, group_id)
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = 0) -> None:
         """Forget the hashes of blocks whose KV will never be written (registered when their
@@ -90,6 +111,7 @@ class BlockPool:
             if key is not None and table.get(key) is block:
                 del table[key]
                 self.num_cached_blocks[group_id] -= 1
+                self.events.removed(key)
             block.block_hash = None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -98,9 +120,11 @@ class BlockPool:
         table = self.cached_block_hash_to_block
         num_cached = self.num_cached_blocks
         offload = self.offload
+        events = self.events
         for block in blocks:
             key = block.block_hash
             if key is not None:
+                events.removed(key)
                 # full-attention group 0 only (keys of other groups are tuples): the tiers
                 # are keyed by the plain block hash, and restores fill group 0's table
                 if offload is not None and type(key) is not tuple:
@@ -138,6 +162,7 @@ class BlockPool:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         self.num_cached_blocks = [0] * len(self.num_cached_blocks)
+        self.events.cleared()
         return True
 
     def get_num_free_blocks(self) -> int:

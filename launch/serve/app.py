@@ -31,11 +31,13 @@ from launch.serve.errors import (
     error_response,
     install_error_handlers,
 )
+from launch.serve.fleet import install_fleet_routes
 from launch.serve.lora import install_lora_routes
 from launch.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingFields,
     TokenizeRequest,
 )
 
@@ -55,6 +57,19 @@ async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
     check_content_type(request)
     raw = await read_body(request, max_bytes)
     return await parse_request(raw, model)
+
+
+S = TypeVar("S", bound=SamplingFields)
+
+
+def with_header_id(req: S, request: Request) -> S:
+    """The body's request_id, else the ``X-Request-Id`` header's (a router names the request
+    there, and its prefill and decode halves by the same id); validated like the body's."""
+    if req.request_id is None:
+        header = request.headers.get("x-request-id")
+        if header:
+            req.request_id = header
+    return req
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -130,13 +145,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         with admitted(ctx, request):
-            req = await parse_body(request, CompletionRequest, ctx.max_request_bytes)
+            req = with_header_id(
+                await parse_body(request, CompletionRequest, ctx.max_request_bytes), request)
             return await create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         with admitted(ctx, request):
-            req = await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes)
+            req = with_header_id(
+                await parse_body(request, ChatCompletionRequest, ctx.max_request_bytes), request)
             return await create_chat_completion(ctx, req, request)
 
     @app.post("/tokenize", dependencies=guarded)
@@ -171,4 +188,5 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return JSONResponse({"prompt": tok.decode(req.tokens)})
 
     install_lora_routes(app, ctx, lambda r, m: parse_body(r, m, ctx.max_request_bytes), guarded)
+    install_fleet_routes(app, ctx, lambda r, m: parse_body(r, m, ctx.max_request_bytes), guarded)
     return app

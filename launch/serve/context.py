@@ -49,6 +49,8 @@ class ServerContext:
     max_n: int = 128
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
+    # names this server process to a router (GET /get_server_info): new at every start
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # the LoRA adapters clients may name in `model` (launch/serve/lora.py); none by default
     adapters: ServedAdapters = field(default=None)  # type: ignore[assignment]
     metrics: ServerMetrics = field(init=False)

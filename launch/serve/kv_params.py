@@ -17,8 +17,12 @@ def request_kv_params(raw: dict[str, Any] | None, num_choices: int,
     (max_model_len's), which bounds remote_block_ids."""
     if raw is None:
         return None
+    # vLLM's NixlConnector reads a null as "not known yet" (a router's prefill request sends
+    # remote_engine_id: null and the like): a null is the field's default here. Unknown keys
+    # are ignored by the struct; the types of the keys it knows stay strict.
+    known = {k: v for k, v in raw.items() if v is not None}
     try:
-        params = msgspec.convert(raw, KVTransferParams)
+        params = msgspec.convert(known, KVTransferParams)
     except msgspec.ValidationError as e:
         raise bad_request(f"kv_transfer_params: {e}", "kv_transfer_params") from e
     bounded = params_field_error(params, max_blocks)

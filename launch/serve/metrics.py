@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from launch.serve.kv_metrics import KVConnectorCollector
+from launch.serve.vllm_metrics import VLLMMetrics
 
 if TYPE_CHECKING:
     from protocol.messages import HealthReport
@@ -100,25 +101,32 @@ class ServerMetrics:
         self.kv_connector = KVConnectorCollector(model_name)  # P/D transfers and leases
         r.register(self.kv_connector)
         self._refused = self.refused.labels(**self._labels)
+        # the same figures under vLLM's names, for routers and dashboards of a vLLM fleet
+        self.vllm = VLLMMetrics(r, model_name)
 
     def on_tokens(self, n: int, ts: float, arrival: float, last_token_ts: float | None) -> None:
         """n tokens of one choice arrived at ts; last_token_ts: the choice's previous tokens
         (None: these are its first)."""
         if last_token_ts is None:
             self._ttft.observe(max(0.0, ts - arrival))
+            self.vllm.on_first_token(max(0.0, ts - arrival))
         else:
             gap = max(0.0, ts - last_token_ts) / n  # speculative steps bring several at once
             for _ in range(n):
                 self._itl.observe(gap)
+            self.vllm.on_gap(gap, n)
         self._gen.inc(n)
+        self.vllm.generation_tokens.inc(n)
 
     def on_finish(self, ts: float, arrival: float, prompt_tokens: int,
                   finish_reason: str | None) -> None:
         """A choice finished; prompt_tokens is counted once per request (0 for its other
         choices)."""
         self._e2e.observe(max(0.0, ts - arrival))
+        self.vllm.e2e.observe(max(0.0, ts - arrival))
         if prompt_tokens:
             self._prompt.inc(prompt_tokens)
+            self.vllm.prompt_tokens.inc(prompt_tokens)
         self.finished.labels(finished_reason=finish_reason or "unknown", **self._labels).inc()
 
     def on_client_gone(self, n: int) -> None:
@@ -142,6 +150,7 @@ class ServerMetrics:
             self.running.labels(**self._labels).set(report.num_running)
             self.waiting.labels(**self._labels).set(report.num_waiting)
             self.kv_usage.labels(**self._labels).set(report.kv_usage)
+            self.vllm.on_report(report)
             for key, gauge in (self.continuum | self.lora).items():
                 if key in report.stats:
                     gauge.labels(**self._labels).set(report.stats[key])

@@ -26,3 +26,30 @@ def test_out_of_bounds_is_a_400_naming_the_field(field: str, value: object) -> N
     with pytest.raises(APIError) as info:
         request_kv_params({**GOOD, field: value}, 1, max_blocks=64)
     assert info.value.status == 400 and info.value.param == f"kv_transfer_params.{field}"
+
+
+# what vllm-router sends a prefill server (its NixlConnector P/D flow): nulls for what is not
+# known yet, and keys this engine does not use
+ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def test_nulls_are_not_known_yet_and_unknown_keys_are_ignored() -> None:
+    p = request_kv_params(ROUTER_PREFILL | {"some_future_key": [1, {"x": None}]}, 1)
+    assert p is not None and p.do_remote_decode and not p.do_remote_prefill
+    assert p.remote_engine_id == "" and p.remote_block_ids == [] and p.remote_port == 0
+    # all null: an ordinary request
+    assert request_kv_params(dict.fromkeys(ROUTER_PREFILL), 1) is None
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("remote_port", "9000"),  # vLLM's types: remote_port int, ids list[int], strings str
+    ("remote_block_ids", ["1"]),
+    ("remote_engine_id", 7),
+    ("remote_host", ["h"]),
+    ("tp_size", 1.5),
+])
+def test_types_stay_strict(field: str, value: object) -> None:
+    with pytest.raises(APIError) as info:
+        request_kv_params({**GOOD, field: value}, 1, max_blocks=64)
+    assert info.value.status == 400 and field in info.value.message
