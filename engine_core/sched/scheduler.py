@@ -410,6 +410,8 @@ class Scheduler:
             "num_waiting": float(len(self.waiting)),
             "num_preemptions": float(self.num_preemptions),
             "num_steps": float(self.num_steps),
+            # finished requests the ranks are still to be told of (by the next step)
+            "num_handles_to_forget": float(len(self._finished_handles)),
             "spec_num_draft_tokens": float(self.num_draft_tokens),
             "spec_num_accepted_tokens": float(self.num_accepted_tokens),
             "spec_num_verifications": float(self.num_spec_verifications),

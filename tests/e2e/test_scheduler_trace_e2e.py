@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,21 @@ def _run(trace: Path, gate: bool) -> tuple[list[list[int]], dict[str, float]]:
     ) as llm:
         outs = llm.generate(_prompts(), sp, use_tqdm=False, timeout_s=300)
         assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
-        stats = llm.get_stats()
+        stats = _settled_stats(llm)
     return [o.token_ids for o in outs], stats
+
+
+def _settled_stats(llm: LLM, timeout_s: float = 60.0) -> dict[str, float]:
+    """The stats once the engine has nothing left to step: the last outputs reach the caller
+    before the step that tells the ranks to forget those requests, so a read right after
+    generate() may come before that step (a loaded machine makes it likely)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = llm.get_stats()
+        if not (stats["num_running"] or stats["num_waiting"] or stats["num_handles_to_forget"]):
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle after {timeout_s} s: {stats}"
+        time.sleep(0.05)
 
 
 def _records(path: Path, kind: str) -> list[dict[str, Any]]:
