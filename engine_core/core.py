@@ -41,6 +41,7 @@ from protocol.config import EngineConfig
 from protocol.messages import (
     AbortRequests,
     AddRequest,
+    EngineCoreOutput,
     EngineDead,
     EngineOutputs,
     EngineReady,
@@ -50,7 +51,6 @@ from protocol.messages import (
     ModelRunnerOutput,
     ProfileControl,
     ProfileRequest,
-    RequestOutput,
     SchedulerOutput,
     Shutdown,
     ShutdownEngine,
@@ -371,7 +371,7 @@ class EngineCore:
     def _reject(self, request_id: str, reason: str) -> None:
         self.frontend.reject(request_id, reason)
 
-    def _flush(self, outputs: list[RequestOutput]) -> None:
+    def _flush(self, outputs: list[EngineCoreOutput]) -> None:
         self.frontend.flush(outputs)
 
     def _send_frontend(self, msg: msgspec.Struct) -> None:
@@ -403,7 +403,7 @@ class EngineCore:
     def fail_all(self, reason: str) -> None:
         """Every in-flight request ends with finish_reason 'error' and the reason."""
         outs = [
-            RequestOutput(request_id=r, new_token_ids=[], finish_reason="error", error=reason)
+            EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason="error", error=reason)
             for r in sorted(self.inflight)
         ]
         self.inflight.clear()

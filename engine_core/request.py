@@ -39,7 +39,7 @@ class RequestStatus(enum.IntEnum):
         return status >= RequestStatus.FINISHED_STOPPED
 
 
-# RequestOutput.finish_reason for each finished status
+# EngineCoreOutput.finish_reason for each finished status
 FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",

@@ -1,6 +1,6 @@
 """The frontend's connection to the engine core: send requests, route outputs to their callers.
 
-A background thread owns the PULL socket and hands each engine message's RequestOutputs to the
+A background thread owns the PULL socket and hands each engine message's EngineCoreOutputs to the
 sinks of their requests, one list per sink and message: a per-output hand-off cost a thread
 wake-up and a GIL switch per request per step. Callers own no socket. When the engine dies
 (EngineDead, or a process the supervisor saw exit) every unfinished request gets finish_reason
@@ -36,6 +36,7 @@ from protocol.lora import LoRARequest
 from protocol.messages import (
     AbortRequests,
     AddRequest,
+    EngineCoreOutput,
     EngineDead,
     EngineOutputs,
     EngineReady,
@@ -45,7 +46,6 @@ from protocol.messages import (
     LoadLoRA,
     LoRAResult,
     ProfileRequest,
-    RequestOutput,
     SamplingParams,
     ShutdownEngine,
     UnloadLoRA,
@@ -54,7 +54,7 @@ from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_e
 
 # What a sink receives: (request, its new output, engine time) for every request of that sink
 # in one engine message.
-Delivery = list[tuple["Tracked", RequestOutput, float]]
+Delivery = list[tuple["Tracked", EngineCoreOutput, float]]
 Sink = queue.Queue[Delivery]
 
 
@@ -296,7 +296,7 @@ class EngineClient:
     def _finish_locally(self, tr: Tracked, reason: str) -> None:
         with self.tracked_lock:
             self.tracked.pop(tr.request_id, None)
-        out = RequestOutput(
+        out = EngineCoreOutput(
             request_id=tr.request_id, new_token_ids=[], finish_reason="error", error=reason
         )
         tr.sink.put([(tr, out, time.time())])
@@ -310,7 +310,7 @@ class EngineClient:
             self.tracked.clear()
         now = time.time()
         for tr in pending:
-            out = RequestOutput(
+            out = EngineCoreOutput(
                 request_id=tr.request_id, new_token_ids=[], finish_reason="error", error=reason
             )
             tr.sink.put([(tr, out, now)])

@@ -27,8 +27,8 @@ from launch.request_options import RequestOptions, per_prompt_options
 from protocol.config import EngineConfig, config_error
 from protocol.kv_connector import KVTransferParams, parse_kv_transfer_config, with_engine_id
 from protocol.lora import LoRARequest
+from protocol.messages import EngineCoreOutput as WireOutput
 from protocol.messages import HealthReport, SamplingParams
-from protocol.messages import RequestOutput as WireOutput
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
 
 Prompt = str | Sequence[int]

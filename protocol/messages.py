@@ -46,7 +46,7 @@ from protocol.structured import StructuredOutputsParams
 #    LoRAResult, PrepareLoRA / DropLoRA / LoRAReady, LoRAStep in the step diff); the ranks'
 #    grammar caches bounded by the engine core (grammar ids, DropGrammars, sizes)
 # 5: disaggregated prefill / decode (protocol/kv_connector.py: kv_transfer_params on AddRequest
-#    and RequestOutput, the connector's ops in the step diff, KVConnectorReport, the ranks'
+#    and EngineCoreOutput, the connector's ops in the step diff, KVConnectorReport, the ranks'
 #    block-server ports in the hello)
 PROTOCOL_VERSION = 6
 
@@ -130,8 +130,8 @@ FrontendMessage = (
 # engine core -> frontend
 
 
-class RequestOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_defaults=True):
-    """New tokens of one request since its last RequestOutput."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_defaults=True):
+    """New tokens of one request since its last EngineCoreOutput."""
 
     request_id: str
     new_token_ids: list[int]
@@ -146,7 +146,7 @@ class RequestOutput(msgspec.Struct, array_like=True, tag=10, kw_only=True, omit_
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, tag=11):
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
     timestamp: float  # engine core's time.time() when the step's tokens were known
     # the core's queue as of this message, for the frontend's --max-queued-requests bound
     # (launch/admission.py): frames read from the frontend so far, and requests waiting

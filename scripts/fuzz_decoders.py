@@ -34,12 +34,12 @@ from protocol.codec import (  # noqa: E402
 from protocol.messages import (  # noqa: E402
     AbortRequests,
     AddRequest,
+    EngineCoreOutput,
     EngineDead,
     EngineOutputs,
     HealthPing,
     HealthPong,
     HealthRequest,
-    RequestOutput,
     SamplingParams,
     Shutdown,
     ShutdownEngine,
@@ -62,7 +62,7 @@ def seed_frames() -> list[bytes]:
         HealthRequest(7),
         ShutdownEngine(),
         EngineOutputs(
-            [RequestOutput(request_id="x", new_token_ids=[1, 2], finish_reason="length")], 2.0
+            [EngineCoreOutput(request_id="x", new_token_ids=[1, 2], finish_reason="length")], 2.0
         ),
         EngineDead("boom"),
         HealthPing(3),

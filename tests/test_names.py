@@ -13,11 +13,7 @@ PACKAGES = ("protocol", "engine_core", "workers", "launch", "scripts")
 
 # Names still defined twice, each waiting for a rename that touches files under restructuring;
 # remove an entry once its rename lands (test_no_stale_duplicates then insists).
-KNOWN_DUPLICATES: dict[str, set[str]] = {
-    # the wire message (engine core -> frontend) and the user-facing result of LLM.generate;
-    # proposed: protocol's becomes RequestUpdate (it carries a step's new tokens)
-    "RequestOutput": {"protocol/messages.py", "launch/outputs.py"},
-}
+KNOWN_DUPLICATES: dict[str, set[str]] = {}
 
 
 def class_definitions() -> dict[str, set[str]]:

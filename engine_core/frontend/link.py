@@ -18,7 +18,7 @@ import zmq
 
 from protocol.codec import Encoder, frontend_decoder
 from protocol.config import EngineConfig
-from protocol.messages import EngineOutputs, FrontendMessage, RequestOutput
+from protocol.messages import EngineCoreOutput, EngineOutputs, FrontendMessage
 from protocol.transport import Endpoints, make_socket, recv_frame
 
 
@@ -58,7 +58,7 @@ class FrontendLink:
     def send(self, msg: msgspec.Struct) -> None:
         self.out_sock.send(self.encoder.encode(msg))
 
-    def flush(self, outputs: list[RequestOutput]) -> None:
+    def flush(self, outputs: list[EngineCoreOutput]) -> None:
         """Send outputs; the ids of finished requests leave the in-flight set."""
         if not outputs:
             return
@@ -67,12 +67,12 @@ class FrontendLink:
                 self.inflight.discard(o.request_id)
         self.send(self._outputs(outputs))
 
-    def _outputs(self, outputs: list[RequestOutput]) -> EngineOutputs:
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineOutputs:
         return EngineOutputs(outputs, time.time(), self.frames_seen, self.num_waiting())
 
     def reject(self, request_id: str, reason: str) -> None:
         """Finish a request the engine never took, with finish_reason 'error'."""
-        out = RequestOutput(
+        out = EngineCoreOutput(
             request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
         )
         self.send(self._outputs([out]))

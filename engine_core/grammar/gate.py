@@ -45,7 +45,7 @@ import msgspec
 
 from engine_core.request import Request, RequestStatus
 from protocol.config import EngineConfig
-from protocol.messages import DropGrammars, GrammarReady, PrepareGrammar, RequestOutput
+from protocol.messages import DropGrammars, EngineCoreOutput, GrammarReady, PrepareGrammar
 
 Key = tuple[str, str]
 
@@ -126,7 +126,7 @@ class GrammarGate:
         self._evict()
         return PrepareGrammar(ticket, spec, g.grammar_id)
 
-    def answer(self, msg: GrammarReady) -> Request | RequestOutput | None:
+    def answer(self, msg: GrammarReady) -> Request | EngineCoreOutput | None:
         """A rank's answer: the request to admit once every rank is ready, its error output
         when a rank failed, else None (still waiting, or a ticket already settled/aborted)."""
         if 0 <= msg.rank < self.world_size:
@@ -158,7 +158,7 @@ class GrammarGate:
         self._evict()
         return held.request
 
-    def expire(self) -> list[RequestOutput]:
+    def expire(self) -> list[EngineCoreOutput]:
         """Fail the held requests whose grammar missed the compile time limit; call it from
         the core loop (cheap: a look at the oldest deadline)."""
         now = self._clock()
@@ -178,14 +178,15 @@ class GrammarGate:
             self._evict()
         return outs
 
-    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Drop held requests among ``request_ids``; their abort outputs."""
         outs = []
         for rid in request_ids:
             ticket = self._by_id.get(rid)
             if ticket is not None:
                 self._settle(ticket, evict=False)
-                outs.append(RequestOutput(request_id=rid, new_token_ids=[], finish_reason="abort"))
+                outs.append(EngineCoreOutput(request_id=rid, new_token_ids=[],
+                                             finish_reason="abort"))
         if outs:
             self._evict()
         return outs
@@ -251,6 +252,6 @@ class GrammarGate:
             self._publish(DropGrammars([g.grammar_id for g in drop]))
 
 
-def _error(held: _Held, reason: str) -> RequestOutput:
-    return RequestOutput(request_id=held.request.request_id, new_token_ids=[],
+def _error(held: _Held, reason: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=held.request.request_id, new_token_ids=[],
                          finish_reason="error", error=reason)

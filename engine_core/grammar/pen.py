@@ -11,7 +11,7 @@ from engine_core.grammar.gate import GrammarGate
 from engine_core.pens.base import NOTHING, HoldingPen, Settled
 from engine_core.request import Request
 from protocol.config import EngineConfig
-from protocol.messages import GrammarReady, RequestOutput
+from protocol.messages import EngineCoreOutput, GrammarReady
 
 
 class GrammarPen(HoldingPen):
@@ -45,7 +45,7 @@ class GrammarPen(HoldingPen):
         failed = self.gate.expire()
         return Settled(outputs=failed) if failed else NOTHING
 
-    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         return self.gate.abort(request_ids)
 
     @property

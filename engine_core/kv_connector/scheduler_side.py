@@ -43,7 +43,7 @@ from protocol.kv_connector import (
 if TYPE_CHECKING:
     from engine_core.kv_cache.manager import KVCacheManager
     from engine_core.kv_cache.single_type_manager import TableKey
-    from protocol.messages import RequestOutput
+    from protocol.messages import EngineCoreOutput
 
 WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 _HANDED_OVER = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -202,7 +202,7 @@ class KVConnectorScheduler:
         self._params_out[rid] = out
         return True, out
 
-    def attach_params(self, outputs: list[RequestOutput]) -> None:
+    def attach_params(self, outputs: list[EngineCoreOutput]) -> None:
         """Give finished prefill requests' last outputs their kv_transfer_params."""
         if not self._params_out:
             return

@@ -10,7 +10,7 @@ import msgspec
 
 from engine_core.lora.registry import LoRARegistry, control
 from engine_core.pens.base import NOTHING, HoldingPen, Settled, WakeSource
-from protocol.messages import LoadLoRA, LoRAReady, RequestOutput, UnloadLoRA
+from protocol.messages import EngineCoreOutput, LoadLoRA, LoRAReady, UnloadLoRA
 
 if TYPE_CHECKING:
     from engine_core.lora.slots import LoRASlots
@@ -60,7 +60,7 @@ class LoRAPen(HoldingPen):
     def after_publish(self) -> None:
         self.registry.after_publish()  # DropLoRA after the step that empties its slot
 
-    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         return self.registry.abort(request_ids)
 
     @property

@@ -32,11 +32,11 @@ from protocol.lora import LoRARequest
 from protocol.lora_files import content_hash, missing_file
 from protocol.messages import (
     DropLoRA,
+    EngineCoreOutput,
     LoadLoRA,
     LoRAReady,
     LoRAResult,
     PrepareLoRA,
-    RequestOutput,
     UnloadLoRA,
 )
 
@@ -171,7 +171,7 @@ class LoRARegistry:
         except OSError:  # closed at shutdown, or the pipe is full (a wake-up is pending)
             pass
 
-    def poll(self) -> list[RequestOutput]:
+    def poll(self) -> list[EngineCoreOutput]:
         """Broadcast PrepareLoRA for the adapters whose hash is done; the outputs of requests
         whose adapter could not be read."""
         try:
@@ -179,7 +179,7 @@ class LoRARegistry:
                 pass
         except BlockingIOError:
             pass
-        failed: list[RequestOutput] = []
+        failed: list[EngineCoreOutput] = []
         for lid, fut in list(self._hashing.items()):
             if not fut.done():
                 continue
@@ -199,7 +199,7 @@ class LoRARegistry:
             self._publish(PrepareLoRA(a.lora, a.content_hash))
         return failed
 
-    def settle(self, replies: list[LoRAReady]) -> tuple[list[Request], list[RequestOutput]]:
+    def settle(self, replies: list[LoRAReady]) -> tuple[list[Request], list[EngineCoreOutput]]:
         """Once per engine loop: hashes done, then the ranks' answers (``replies`` is emptied).
         Returns the requests that may go on and the outputs of those that failed; the loads'
         answers are in ``results``."""
@@ -216,7 +216,7 @@ class LoRARegistry:
         results, self.results = self.results, []
         return results
 
-    def answer(self, msg: LoRAReady) -> tuple[list[Request], list[RequestOutput]]:
+    def answer(self, msg: LoRAReady) -> tuple[list[Request], list[EngineCoreOutput]]:
         """A rank's LoRAReady: (requests that may go on now, outputs of failed requests)."""
         key = (msg.rank, msg.lora_int_id)
         if self._stale[key]:
@@ -247,7 +247,7 @@ class LoRARegistry:
         a.loads = []
         return go, []
 
-    def _fail(self, a: _Adapter, message: str) -> list[RequestOutput]:
+    def _fail(self, a: _Adapter, message: str) -> list[EngineCoreOutput]:
         del self._by_id[a.lora.lora_int_id]
         del self._by_name[a.lora.lora_name]
         self.results += [LoRAResult(lora_name=a.lora.lora_name, error=message, call_id=c)
@@ -255,11 +255,11 @@ class LoRARegistry:
         outs = []
         for req in a.held:
             del self._held_ids[req.request_id]
-            outs.append(RequestOutput(request_id=req.request_id, new_token_ids=[],
+            outs.append(EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
                                       finish_reason="error", error=message))
         return outs
 
-    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Drop held requests among ``request_ids``; their abort outputs."""
         outs = []
         for rid in request_ids:
@@ -268,7 +268,7 @@ class LoRARegistry:
                 continue
             a = self._by_id[lid]
             a.held = [r for r in a.held if r.request_id != rid]
-            outs.append(RequestOutput(request_id=rid, new_token_ids=[], finish_reason="abort"))
+            outs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort"))
         return outs
 
     # ------------------------------------------------------------------ unload

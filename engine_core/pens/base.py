@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import msgspec
 import zmq
 
-from protocol.messages import RequestOutput
+from protocol.messages import EngineCoreOutput
 
 if TYPE_CHECKING:
     from engine_core.request import Request
@@ -37,7 +37,7 @@ WakeSource: TypeAlias = "zmq.Socket[bytes] | int"
 @dataclass(frozen=True)
 class Settled:
     admit: Sequence[Request] = ()  # released: they go on to the next pen or the scheduler
-    outputs: Sequence[RequestOutput] = ()  # final outputs of held requests that failed
+    outputs: Sequence[EngineCoreOutput] = ()  # final outputs of held requests that failed
     notices: Sequence[msgspec.Struct] = ()  # other messages owed to the frontend
 
 
@@ -73,7 +73,7 @@ class HoldingPen:
     def after_publish(self) -> None:
         """A step went out to the ranks."""
 
-    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         """Drop the held requests among ``request_ids``; their abort outputs."""
         return []
 

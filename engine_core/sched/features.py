@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from engine_core.request import Request, RequestStatus
     from engine_core.sched.step_diff import StepDiff
     from protocol.lora import LoRASlotOp
-    from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
+    from protocol.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class SchedulerFeature:
@@ -72,7 +72,7 @@ class SchedulerFeature:
     def on_step_built(self, so: SchedulerOutput, diff: StepDiff, step_id: int) -> None:
         """The step's output is built: add the feature's metadata, record the step."""
 
-    def after_update(self, step_id: int, outputs: list[RequestOutput],
+    def after_update(self, step_id: int, outputs: list[EngineCoreOutput],
                      kv_load: list[list[int]] | None) -> None:
         """The step's results were applied; ``kv_load``: offload reads that settled."""
 
@@ -121,7 +121,7 @@ class Hooks:
     on_finish: list[Callable[[Request, RequestStatus], None]]
     after_free: list[Callable[[Request], None]]
     on_step_built: list[Callable[[SchedulerOutput, StepDiff, int], None]]
-    after_update: list[Callable[[int, list[RequestOutput], list[list[int]] | None], None]]
+    after_update: list[Callable[[int, list[EngineCoreOutput], list[list[int]] | None], None]]
     has_work: list[Callable[[], bool]]
     stats: list[Callable[[], dict[str, float]]]
     held_tables: list[Callable[[], Iterable[list[KVCacheBlock]]]]

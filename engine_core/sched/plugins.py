@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from engine_core.sched.trace import SchedulerTrace
     from engine_core.spec_decode.ngram_proposer import NgramProposer
     from protocol.lora import LoRASlotOp
-    from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
+    from protocol.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class LoRASlotFeature(SchedulerFeature):
@@ -194,7 +194,7 @@ class ConnectorFeature(SchedulerFeature):
     def on_step_built(self, so: SchedulerOutput, diff: StepDiff, step_id: int) -> None:
         so.kv_connector = self.conn.build_connector_meta()
 
-    def after_update(self, step_id: int, outputs: list[RequestOutput],
+    def after_update(self, step_id: int, outputs: list[EngineCoreOutput],
                      kv_load: list[list[int]] | None) -> None:
         self.conn.attach_params(outputs)  # finished prefills say where their KV waits
 
@@ -244,7 +244,7 @@ class TraceFeature(SchedulerFeature):
     def on_step_built(self, so: SchedulerOutput, diff: StepDiff, step_id: int) -> None:
         self.trace.on_schedule(self.sched, diff, step_id)
 
-    def after_update(self, step_id: int, outputs: list[RequestOutput],
+    def after_update(self, step_id: int, outputs: list[EngineCoreOutput],
                      kv_load: list[list[int]] | None) -> None:
         self.trace.on_update(step_id, kv_load)
 

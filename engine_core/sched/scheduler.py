@@ -67,8 +67,8 @@ from engine_core.spec_decode.ngram_proposer import NgramProposer
 from protocol.config import EngineConfig
 from protocol.kv_cache_spec import KVCacheGroupSpec
 from protocol.messages import (
+    EngineCoreOutput,
     ModelRunnerOutput,
-    RequestOutput,
     SchedulerOutput,
 )
 
@@ -155,7 +155,7 @@ class Scheduler:
         self.slots = slots
         self._step_id = 0
         self._finished_handles: list[int] = []  # to tell the workers in the next step
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.spec_by_step: dict[int, dict[int, list[int]]] = {}
         self.num_steps = 0
         self.num_draft_tokens = 0  # drafts sent for verification
@@ -255,7 +255,7 @@ class Scheduler:
             for on_arrival in hooks.on_arrival:
                 on_arrival(request, True)
             self._pending_outputs.append(
-                RequestOutput(
+                EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=[],
                     finish_reason="error",
@@ -298,7 +298,7 @@ class Scheduler:
                 req.error = f"request finished by the engine ({finished_status.name})"
             self.free_request(req, finished_status)
             self._pending_outputs.append(
-                RequestOutput(
+                EngineCoreOutput(
                     request_id=rid,
                     new_token_ids=[],
                     finish_reason=FINISH_REASONS[finished_status],
@@ -327,7 +327,7 @@ class Scheduler:
             self._finished_handles.append(req.handle)
             del self.by_handle[req.handle]
 
-    def take_outputs(self) -> list[RequestOutput]:
+    def take_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
@@ -369,7 +369,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> list[EngineCoreOutput]:
         """Append the step's sampled tokens, check stops, free finished requests."""
         hooks = self.hooks
         for tick in hooks.tick:
@@ -388,7 +388,7 @@ class Scheduler:
         self.free_request(req, status)
         self.running_set.prune()
         self._pending_outputs.append(
-            RequestOutput(
+            EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[], finish_reason=FINISH_REASONS[status]
             )
         )

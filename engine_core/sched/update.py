@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.sched.interface import SchedulerView
 from protocol.codec import unpack, unpack_f32
-from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from protocol.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine_core.sched.running_set import RunningSet
@@ -40,7 +40,7 @@ class UpdateTarget(SchedulerView, Protocol):
 
 def update_from_output(
     s: UpdateTarget, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
-) -> list[RequestOutput]:
+) -> list[EngineCoreOutput]:
     handles = unpack(model_output.req_handles)
     tokens = unpack(model_output.sampled_token_ids)
     spec = s.spec_by_step.pop(scheduler_output.step_id, None)
@@ -49,7 +49,7 @@ def update_from_output(
     else:
         counts = None
     by_handle = s.by_handle
-    outputs: list[RequestOutput] = []
+    outputs: list[EngineCoreOutput] = []
     finished: list[tuple[Request, RequestStatus]] = []
     # One float32 per sampled token whenever any request of the step asked for logprobs.
     lps = unpack_f32(model_output.logprobs) if model_output.logprobs else None
@@ -121,11 +121,11 @@ def _append_tokens(
 
 
 def _output(req: Request, new: list[int], status: RequestStatus | None,
-            lps: list[float] | None = None) -> RequestOutput:
+            lps: list[float] | None = None) -> EngineCoreOutput:
     # logprobs of the tokens kept (a stop token ends the list early)
     new_lps = lps[: len(new)] if lps is not None else None
     if status is not None:
-        return RequestOutput(
+        return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new,
             finish_reason=FINISH_REASONS[status],
@@ -134,17 +134,17 @@ def _output(req: Request, new: list[int], status: RequestStatus | None,
         )
     if len(req.output_token_ids) == len(new) and req.num_cached_tokens > 0:
         # the first tokens: tell the frontend how much of the prompt was a cache hit
-        return RequestOutput(
+        return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new,
             num_cached_tokens=req.num_cached_tokens,
             new_logprobs=new_lps,
         )
-    return RequestOutput(request_id=req.request_id, new_token_ids=new, new_logprobs=new_lps)
+    return EngineCoreOutput(request_id=req.request_id, new_token_ids=new, new_logprobs=new_lps)
 
 
-def _update_preempted(s: UpdateTarget, req: Request, new: list[int], outputs: list[RequestOutput],
-                      lps: list[float] | None = None) -> None:
+def _update_preempted(s: UpdateTarget, req: Request, new: list[int],
+                      outputs: list[EngineCoreOutput], lps: list[float] | None = None) -> None:
     """Async scheduling: a request preempted while a step that samples for it was in
     flight still takes that token. It was sampled from the right state and the workers
     kept it with the request's tokens, so dropping it would desynchronize them."""
@@ -156,7 +156,7 @@ def _update_preempted(s: UpdateTarget, req: Request, new: list[int], outputs: li
 
 
 def _update_one_token_each(
-    s: UpdateTarget, handles: list[int], tokens: list[int], outputs: list[RequestOutput],
+    s: UpdateTarget, handles: list[int], tokens: list[int], outputs: list[EngineCoreOutput],
     finished: list[tuple[Request, RequestStatus]],
 ) -> None:
     """The common case (one sampled token per request, no drafts), kept lean because it
@@ -183,17 +183,17 @@ def _update_one_token_each(
         else:
             if req.num_cached_tokens > 0 and len(req.output_token_ids) == 1:
                 outputs.append(
-                    RequestOutput(
+                    EngineCoreOutput(
                         request_id=req.request_id,
                         new_token_ids=[tok],
                         num_cached_tokens=req.num_cached_tokens,
                     )
                 )
             else:
-                outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[tok]))
+                outputs.append(EngineCoreOutput(request_id=req.request_id, new_token_ids=[tok]))
             continue
         outputs.append(
-            RequestOutput(
+            EngineCoreOutput(
                 request_id=req.request_id,
                 new_token_ids=[tok],
                 finish_reason=FINISH_REASONS[status],

@@ -18,8 +18,8 @@ from launch.admission import Ticket
 from launch.client import Delivery, EngineClient, EngineDeadError
 from launch.llm import LLM
 from launch.request_options import NO_OPTIONS, RequestOptions
+from protocol.messages import EngineCoreOutput as WireOutput
 from protocol.messages import HealthReport, SamplingParams
-from protocol.messages import RequestOutput as WireOutput
 
 # What a request's queue receives: (choice index, output, engine timestamp).
 Event = tuple[int, WireOutput, float]

@@ -22,7 +22,7 @@ from engine_core.sched.scheduler import Scheduler
 from protocol.codec import Decoder, Encoder, pack, unpack
 from protocol.config import EngineConfig
 from protocol.lora import LoRARequest
-from protocol.messages import ModelRunnerOutput, RequestOutput, SamplingParams, SchedulerOutput
+from protocol.messages import EngineCoreOutput, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from protocol.request_options import RequestOptions
 
 
@@ -249,9 +249,9 @@ def make_request(
 
 def run_to_completion(
     sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000
-) -> dict[str, list[RequestOutput]]:
+) -> dict[str, list[EngineCoreOutput]]:
     """Step until nothing is left; returns every output per request id."""
-    outs: dict[str, list[RequestOutput]] = {}
+    outs: dict[str, list[EngineCoreOutput]] = {}
     for o in sched.take_outputs():
         outs.setdefault(o.request_id, []).append(o)
     for _ in range(max_steps):
@@ -269,13 +269,13 @@ def run_async_to_completion(
     worker: FakeWorker,
     max_steps: int = 10_000,
     on_step: Callable[[int, Scheduler], None] | None = None,
-) -> dict[str, list[RequestOutput]]:
+) -> dict[str, list[EngineCoreOutput]]:
     """Like run_to_completion, with the async engine core's order: step k+1 is scheduled
     (and executed by the worker, which runs steps in order) before step k's tokens reach the
     scheduler. on_step(k, sched) runs after step k is scheduled, e.g. to abort or add."""
-    outs: dict[str, list[RequestOutput]] = {}
+    outs: dict[str, list[EngineCoreOutput]] = {}
 
-    def collect(items: list[RequestOutput]) -> None:
+    def collect(items: list[EngineCoreOutput]) -> None:
         for o in items:
             outs.setdefault(o.request_id, []).append(o)
 
@@ -300,5 +300,5 @@ def run_async_to_completion(
     raise AssertionError("requests did not finish")
 
 
-def tokens_of(outs: list[RequestOutput]) -> list[int]:
+def tokens_of(outs: list[EngineCoreOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]

@@ -23,11 +23,11 @@ from protocol.config import EngineConfig
 from protocol.lora import LoRARequest
 from protocol.messages import (
     AbortRequests,
+    EngineCoreOutput,
     EngineOutputs,
     GrammarReady,
     LoadLoRA,
     LoRAResult,
-    RequestOutput,
 )
 from protocol.transport import ipc_endpoints, make_socket
 from tests.engine_core.fake_worker import make_request, make_scheduler
@@ -60,7 +60,7 @@ class DummyPen(HoldingPen):
         assert isinstance(msg, Poke)
         req = self.held.pop(msg.request_id)
         if msg.fail:
-            return Settled(outputs=[RequestOutput(request_id=req.request_id, new_token_ids=[],
+            return Settled(outputs=[EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
                                                   finish_reason="error", error="dummy")])
         return Settled(admit=[req])
 
@@ -68,9 +68,9 @@ class DummyPen(HoldingPen):
         self.calls.append("tick")
         return Settled()
 
-    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         self.calls.append("abort")
-        return [RequestOutput(request_id=r, new_token_ids=[], finish_reason="abort")
+        return [EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason="abort")
                 for r in request_ids if self.held.pop(r, None) is not None]
 
     @property

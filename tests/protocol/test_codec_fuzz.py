@@ -40,7 +40,7 @@ DECODERS: list[Decoder] = [
 ENC = Encoder()
 VALID_FRAMES = [
     ENC.encode(m.EngineOutputs(outputs=[s], timestamp=1.0))  # only travels inside EngineOutputs
-    if isinstance(s, m.RequestOutput)
+    if isinstance(s, m.EngineCoreOutput)
     else ENC.encode(s)
     for s in SAMPLES
 ]

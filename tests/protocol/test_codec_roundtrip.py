@@ -38,8 +38,8 @@ DECODERS = {
 
 
 def _framed(msg: msgspec.Struct) -> msgspec.Struct:
-    # RequestOutput only travels inside EngineOutputs
-    if isinstance(msg, m.RequestOutput):
+    # EngineCoreOutput only travels inside EngineOutputs
+    if isinstance(msg, m.EngineCoreOutput):
         return m.EngineOutputs(outputs=[msg], timestamp=0.0)
     return msg
 
@@ -53,7 +53,7 @@ def _direction(msg: msgspec.Struct) -> str:
 
 def test_samples_cover_every_message_type() -> None:
     every = {t for _, union in DECODERS.values() for t in typing.get_args(union)}
-    every.add(m.RequestOutput)
+    every.add(m.EngineCoreOutput)
     assert every == {type(s) for s in SAMPLES}
 
 

@@ -64,7 +64,7 @@ SAMPLES: list[msgspec.Struct] = [
     m.HealthRequest(nonce=99),
     m.ShutdownEngine(),
     m.ProfileRequest(enable=True, trace_dir="/tmp/trace"),
-    m.RequestOutput(
+    m.EngineCoreOutput(
         request_id="r",
         new_token_ids=[5, 6],
         finish_reason="error",
@@ -74,7 +74,7 @@ SAMPLES: list[msgspec.Struct] = [
         kv_transfer_params=KV_PARAMS,
     ),
     m.EngineOutputs(
-        outputs=[m.RequestOutput(request_id="x", new_token_ids=[1], finish_reason="stop")],
+        outputs=[m.EngineCoreOutput(request_id="x", new_token_ids=[1], finish_reason="stop")],
         timestamp=1.5,
         frames_seen=12,
         num_waiting=3,

@@ -20,7 +20,7 @@ import pytest
 from launch import LLM, SamplingParams
 from launch.client import Sink
 from launch.tokenizer import load_tokenizer
-from protocol.messages import RequestOutput
+from protocol.messages import EngineCoreOutput
 from tests.helpers.procs import wait_no_descendants
 from tests.serve.serve_helpers import make_tokenizer_dir
 from tests.structured.grammar_helpers import params, schema
@@ -36,7 +36,7 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tokenizer_dir(str(tmp_path_factory.mktemp("tok")))
 
 
-def _finish(sink: Sink, timeout_s: float = 120.0) -> RequestOutput:
+def _finish(sink: Sink, timeout_s: float = 120.0) -> EngineCoreOutput:
     while True:
         for _, out, _ in sink.get(timeout=timeout_s):
             if out.finish_reason is not None:

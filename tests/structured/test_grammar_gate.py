@@ -18,14 +18,14 @@ from engine_core.request import Request, RequestStatus
 from launch import LLM, SamplingParams, StructuredOutputsParams
 from launch.client import Sink
 from protocol.config import EngineConfig
-from protocol.messages import DropGrammars, GrammarReady, RequestOutput
+from protocol.messages import DropGrammars, EngineCoreOutput, GrammarReady
 from tests.helpers.procs import wait_no_descendants
 from tests.serve.serve_helpers import make_tokenizer_dir
 
 PLAIN = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def _finish(sink: Sink, timeout_s: float = 120.0) -> RequestOutput:
+def _finish(sink: Sink, timeout_s: float = 120.0) -> EngineCoreOutput:
     """The request's last output (its tokens gathered), waiting at most ``timeout_s``."""
     tokens: list[int] = []
     while True:
@@ -45,7 +45,7 @@ def test_gate_admits_after_every_rank_and_fails_on_any() -> None:
     assert gate.answer(GrammarReady(rank=1, ticket=ta)) is None
     assert gate.answer(GrammarReady(rank=0, ticket=ta)) is a
     failed = gate.answer(GrammarReady(rank=1, ticket=tb, error="bad regex"))
-    assert isinstance(failed, RequestOutput) and failed.finish_reason == "error"
+    assert isinstance(failed, EngineCoreOutput) and failed.finish_reason == "error"
     assert "rank 1" in (failed.error or "") and "bad regex" in (failed.error or "")
     assert gate.answer(GrammarReady(rank=0, ticket=tb)) is None  # settled: ignored
     assert not gate and gate.abort(["a", "b"]) == []
@@ -64,7 +64,7 @@ def _request(rid: str, i: int) -> Request:
     return Request(rid, [1], SamplingParams(structured_outputs=spec), 2, 0.0)
 
 
-def _ready(gate: GrammarGate, ticket: int, size: int) -> Request | RequestOutput | None:
+def _ready(gate: GrammarGate, ticket: int, size: int) -> Request | EngineCoreOutput | None:
     gate.answer(GrammarReady(rank=0, ticket=ticket, size_bytes=size))
     return gate.answer(GrammarReady(rank=1, ticket=ticket, size_bytes=size))
 

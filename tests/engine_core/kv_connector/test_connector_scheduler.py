@@ -20,7 +20,7 @@ from protocol.kv_connector import (
     KVTransferParams,
     check_ops,
 )
-from protocol.messages import RequestOutput, SamplingParams
+from protocol.messages import EngineCoreOutput, SamplingParams
 from protocol.request_options import RequestOptions
 from tests.engine_core.fake_worker import FakeWorker, make_scheduler, run_to_completion
 
@@ -49,7 +49,7 @@ class Engine:
             port=1000 if name == "P" else 2000, rank_ports=[1001], world_size=1, clock=clock)
         self.sched.kv_connector = self.conn
         self.worker = FakeWorker(BS)
-        self.outs: dict[str, list[RequestOutput]] = {}
+        self.outs: dict[str, list[EngineCoreOutput]] = {}
         self.exposed: set[str] = set()
         self.loads: list = []  # load ops not yet run
 
@@ -69,7 +69,7 @@ class Engine:
     def tokens(self, rid: str) -> list[int]:
         return [t for o in self.outs.get(rid, []) for t in o.new_token_ids]
 
-    def final(self, rid: str) -> RequestOutput:
+    def final(self, rid: str) -> EngineCoreOutput:
         return self.outs[rid][-1]
 
     @property

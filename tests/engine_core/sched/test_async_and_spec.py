@@ -17,7 +17,7 @@ from engine_core.sched import update
 from engine_core.sched.scheduler import Scheduler
 from engine_core.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from protocol.config import EngineConfig, config_error
-from protocol.messages import RequestOutput
+from protocol.messages import EngineCoreOutput
 from tests.engine_core.fake_worker import (
     FakeWorker,
     make_request,
@@ -60,7 +60,7 @@ def run(
     budget: int = 24,
     on_step=None,  # type: ignore[no-untyped-def]
     **cfg: object,
-) -> tuple[dict[str, list[RequestOutput]], Scheduler]:
+) -> tuple[dict[str, list[EngineCoreOutput]], Scheduler]:
     sched = make_scheduler(
         num_blocks=num_blocks,
         max_num_batched_tokens=budget,
@@ -89,7 +89,7 @@ def assert_clean(sched: Scheduler, num_blocks: int) -> None:
     sched.check_invariants()
 
 
-def summary(outs: dict[str, list[RequestOutput]]) -> dict[str, tuple[list[int], str | None]]:
+def summary(outs: dict[str, list[EngineCoreOutput]]) -> dict[str, tuple[list[int], str | None]]:
     return {rid: (tokens_of(o), o[-1].finish_reason) for rid, o in outs.items()}
 
 
@@ -209,7 +209,7 @@ def test_spec_aborts_and_early_stops() -> None:
         stop = STOP_IDS if stops else []
         sched.add_request(make_request(rid, prompt, max_tokens, stop_token_ids=stop))
     worker = FakeWorker(BLOCK, model=repetitive_model)
-    outs: dict[str, list[RequestOutput]] = {}
+    outs: dict[str, list[EngineCoreOutput]] = {}
     for k in range(1000):
         if not sched.has_unfinished_requests():
             break

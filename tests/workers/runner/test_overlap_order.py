@@ -24,7 +24,7 @@ from engine_core.request import Request, RequestStatus
 from engine_core.sched.scheduler import Scheduler
 from protocol.codec import Decoder, Encoder, unpack
 from protocol.config import EngineConfig
-from protocol.messages import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from protocol.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from protocol.structured import StructuredOutputsParams
 from tests.engine_core.fake_worker import make_request
 from tests.helpers.runner import BS, make_runner
@@ -128,7 +128,7 @@ def run(overlap: bool, structured: bool, tok_dir: str | None) -> tuple[dict, Run
     worker = RunnerWorker(runner, overlap)
     outs: dict[str, tuple[list[int], list[float]]] = {}
 
-    def collect(items: list[RequestOutput]) -> None:
+    def collect(items: list[EngineCoreOutput]) -> None:
         for o in items:
             toks, lps = outs.setdefault(o.request_id, ([], []))
             toks.extend(o.new_token_ids)
