@@ -355,7 +355,7 @@ def build_sentencepiece_bpe(
         )
     )
     # SentencePiece writes spaces as U+2581 and (by default) starts the text with one.
-    steps = [normalizers.Replace(" ", _SPM_SPACE)]
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPM_SPACE)]
     if add_prefix_space:
         steps.insert(0, normalizers.Prepend(_SPM_SPACE))
     backend.normalizer = normalizers.Sequence(steps)

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from workers.attention.reference import AttentionMetadata
     from workers.runner.graph_buckets import Bucket
     from workers.sample.spec_decode import SpecOutput
-    from workers.sample.structured import StepMasks
 
 
 @dataclass(eq=False)
@@ -44,9 +43,7 @@ class InFlightStep:
     transfer: TokenTransfer
     inputs: BatchInputs | None = None
     handles: np.ndarray = field(default_factory=_no_handles)  # sampling rows' requests
-    masks: StepMasks | None = None
     spec: SpecOutput | None = None  # drafts verified: the tokens are on the host already
-    copy_us: float = 0.0  # issuing the KV tiers' copies
     # whether the next step may be prepared before this one finishes: False when nothing
     # runs on the device to hide behind, or the tokens' counts are needed first (drafts)
     overlappable: bool = False

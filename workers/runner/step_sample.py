@@ -21,7 +21,7 @@ from workers.sample.spec_decode import SpecOutput, sample_with_drafts, verify_gr
 
 if TYPE_CHECKING:
     from workers.model.llama import LlamaForCausalLM
-    from workers.sample.structured import StepMasks, StructuredOutputs
+    from workers.step_hooks import StepHook
 
 
 @dataclass(eq=False)
@@ -34,12 +34,15 @@ class StepTokens:
 
 def sample_step(model: LlamaForCausalLM, sampler: Sampler, batch: InputBatch,
                 inputs: BatchInputs, hidden: torch.Tensor, idx: torch.Tensor,
-                structured: StructuredOutputs | None, masks: StepMasks | None) -> StepTokens:
-    """The tokens of the rows that sample (``idx``: their logits rows of ``hidden``)."""
+                logit_hooks: list[StepHook]) -> StepTokens:
+    """The tokens of the rows that sample (``idx``: their logits rows of ``hidden``).
+
+    ``logit_hooks``: the features that edit this step's logits (grammar bitmasks), in order;
+    one that picks the greedy tokens itself ends the step's sampling."""
     md = batch.sampling_metadata(inputs.sample_rows)
     drafts = inputs.drafts  # set only when some request verifies drafts this step
     all_greedy = bool((md.temperature <= GREEDY_EPS).all())
-    if masks is None and not md.need_logprobs and all_greedy:
+    if not logit_hooks and not md.need_logprobs and all_greedy:
         # All greedy: argmax per vocab shard, no full-logit all-gather; drafts only add
         # logits indices.
         targets = model.greedy_tokens(hidden[idx])
@@ -47,14 +50,13 @@ def sample_step(model: LlamaForCausalLM, sampler: Sampler, batch: InputBatch,
             return StepTokens(targets)
         return StepTokens(spec=verify_greedy(targets, drafts))
     logits = model.compute_logits(hidden[idx])
-    if masks is not None:
-        assert structured is not None
+    if logit_hooks:
         logits = logits.float()
-        if drafts is None and not md.need_logprobs and all_greedy:
-            greedy = structured.greedy(masks, logits)
-            if greedy is not None:
-                return StepTokens(greedy)
-        structured.apply(masks, logits)
+        greedy = drafts is None and not md.need_logprobs and all_greedy
+        for hook in logit_hooks:
+            tokens = hook.on_logits(logits, greedy)
+            if tokens is not None:
+                return StepTokens(tokens)
     if drafts is not None:
         return StepTokens(spec=sample_with_drafts(sampler, logits, drafts, md))
     out = sampler(logits, md)
