@@ -26,11 +26,11 @@ from workers.runner.graph_buckets import GraphPlan
 from workers.runner.input_batch import InputBatch
 from workers.runner.input_staging import InputStaging, unstaged_inputs
 from workers.runner.memory_profile import KVCachePlan, plan_for_model
-from workers.runner.pending_tokens import fill_input_ids, pending_span, reserve, resolve
-from workers.runner.request_guard import fail_nonfinite_rows, failed_fields, take_failed
+from workers.runner.pending_tokens import fill_input_ids, pending_span
+from workers.runner.request_guard import failed_fields, take_failed
 from workers.runner.request_state import unpack_i32
 from workers.runner.step_flight import InFlightStep, PreparedStep
-from workers.runner.step_sample import StepTokens, sample_step
+from workers.runner.step_sample import DraftTokens, StepTokens, sample_step
 from workers.runner.token_copy import TokenCopy
 from workers.sample.grammar_feature import GrammarFeature
 from workers.sample.sampler import Sampler, tokens_checksum
@@ -322,7 +322,7 @@ class ModelRunner:
         else:
             assert step.eager is not None
             hidden = self.model(*step.eager)
-        out = StepTokens()
+        out: StepTokens | DraftTokens = StepTokens()
         if len(inputs.sample_rows):
             assert step.logits_indices is not None
             if self.staging is not None:
@@ -331,21 +331,9 @@ class ModelRunner:
                 idx = torch.from_numpy(step.logits_indices)
             out = sample_step(self.model, self.sampler, batch, inputs, hidden, idx,
                               hooks.logit_hooks())
-        if out.spec is not None:
-            # drafts: the accepted counts decide the rows' tokens, so nothing may follow
-            # before they are on the host; the step is finished before the next is prepared
-            flight.spec = out.spec
-            self.token_copy.ready(transfer, out.spec.token_ids, out.spec.logprobs)
-            return flight
-        reserve(batch, inputs)
-        host_tokens = out.tokens
-        if out.nonfinite is not None and out.tokens is not None:
-            # the device keeps a valid placeholder (the next step's inputs read it); the host
-            # copy marks the row -1 so finish() fails its request, with no extra sync here
-            host_tokens = torch.where(out.nonfinite, -1, out.tokens)
-        self.token_copy.start(transfer, host_tokens, out.logprobs)
-        self._in_flight_tokens = out.tokens
-        flight.overlappable = True
+        flight.tokens = out
+        self._in_flight_tokens = out.launch(batch, inputs, self.token_copy, transfer)
+        flight.overlappable = out.overlappable
         return flight
 
     def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
@@ -355,16 +343,9 @@ class ModelRunner:
         batch = self.input_batch
         sampled, lp = flight.transfer.wait()
         t0 = time.perf_counter()
-        so, inputs = flight.so, flight.inputs
-        counts = None
-        if flight.spec is not None:
-            sampled, counts, lp = flight.spec.token_ids, flight.spec.counts, flight.spec.logprobs
-            assert inputs is not None
-            batch.update_after_step(inputs, sampled, counts)
-        else:
-            assert sampled is not None
-            fail_nonfinite_rows(batch, flight.handles, sampled)
-            resolve(batch, sampled, self._parked)
+        so = flight.so
+        sampled, counts, lp = flight.tokens.finish(batch, flight.inputs, flight.handles,
+                                                   sampled, lp, self._parked)
         self._parked.clear()
         self._in_flight_tokens = None
         hooks = self.hooks

@@ -11,12 +11,12 @@ import torch
 
 from protocol.messages import SchedulerOutput
 from workers.runner.batch_inputs import BatchInputs
+from workers.runner.step_sample import DraftTokens, StepTokens
 from workers.runner.token_copy import TokenTransfer
 
 if TYPE_CHECKING:
     from workers.attention.reference import AttentionMetadata
     from workers.runner.graph_buckets import Bucket
-    from workers.sample.spec_decode import SpecOutput
 
 
 @dataclass(eq=False)
@@ -43,7 +43,8 @@ class InFlightStep:
     transfer: TokenTransfer
     inputs: BatchInputs | None = None
     handles: np.ndarray = field(default_factory=_no_handles)  # sampling rows' requests
-    spec: SpecOutput | None = None  # drafts verified: the tokens are on the host already
+    # the sampled tokens, plain or verified drafts; a step that samples nothing has none
+    tokens: StepTokens | DraftTokens = field(default_factory=StepTokens)
     # whether the next step may be prepared before this one finishes: False when nothing
     # runs on the device to hide behind, or the tokens' counts are needed first (drafts)
     overlappable: bool = False
