@@ -3,6 +3,10 @@
 With worker overlap (workers/overlap.py) the next diff is received and applied while the
 device still runs the step before, whose tokens are sent just before the next launch.
 
+Broadcast messages are dispatched through one table (message type -> handler): the loop's own
+(steps, pings, shutdown, profiling) and those of the rank's features (grammars, LoRA; see
+workers/step_hooks.py), whose background work the loop polls each turn.
+
 Every rank runs this same loop. Started by the launcher, or by the real `torchrun`
 (`torchrun --nproc-per-node 2 -m workers`): it reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT, plus TANDEM_CONFIG (engine options as JSON) and TANDEM_ENDPOINTS (where the engine core
@@ -18,7 +22,7 @@ import socket
 import sys
 import time
 import traceback
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -28,14 +32,8 @@ from protocol.codec import Encoder, ProtocolError, broadcast_decoder
 from protocol.config import EngineConfig, worker_overlap_on
 from protocol.error_file import write_error_file
 from protocol.messages import (
-    DropGrammars,
-    DropLoRA,
-    GrammarReady,
     HealthPing,
     HealthPong,
-    LoRAReady,
-    PrepareGrammar,
-    PrepareLoRA,
     ProfileControl,
     ResetPrefixCache,
     SchedulerOutput,
@@ -48,6 +46,8 @@ from protocol.transport import Endpoints, make_socket, recv_frame, secret_from_e
 from workers.overlap import DeviceWatch, HostClock
 
 if TYPE_CHECKING:
+    import torch
+
     from workers.runner.step_flight import InFlightStep
 from workers.census import worker_census
 
@@ -61,8 +61,9 @@ CORE_SILENCE_S = 1.5
 # this long; a dead parent is still noticed within POLL_MS.
 CORE_STARTUP_SILENCE_S = 60.0
 POLL_MS = 100
-# while a grammar compiles for the engine core, look for its end this often (a wake-up per
-# 10 ms, only then): the request it belongs to waits for the answer to be admitted
+# while a feature's background work is outstanding (a grammar compiling, an adapter read for
+# the engine core), look for its end this often (a wake-up per 10 ms, only then): the request
+# it belongs to waits for the answer to be admitted
 GRAMMAR_POLL_MS = 10
 
 
@@ -123,29 +124,35 @@ class Worker:
         self.encoder = Encoder()
         self.decoder = broadcast_decoder(config.max_frame_bytes)
         self.last_step_id = -1
-        self.profiler = None
+        self.profiler: torch.profiler.profile | None = None
         self.fault = parse_fault(os.environ.get("TANDEM_FAULT_INJECT"))
         self.core_gone = False  # then nothing queued can be delivered: don't linger on exit
-        # PrepareGrammar tickets still compiling on the grammar pool (no step waits on them):
-        # ticket -> (compile, cache key, grammar id)
-        self.grammar_tickets: dict[int, tuple[Future[Any], tuple[str, str], int]] = {}
-        # PrepareLoRA reads still in flight on a helper thread (no step waits on them; a
-        # hostile or huge file costs that thread, never the step loop): adapter id ->
-        # (read, the request, still wanted: False once DropLoRA came meanwhile)
-        self.lora_tickets: dict[int, tuple[Future[Any], PrepareLoRA, bool]] = {}
+        self.stopping = False  # Shutdown came: run() returns 0
+        # message type -> handler; the features' own (PrepareGrammar, PrepareLoRA, ...) too
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            SchedulerOutput: self.execute,
+            HealthPing: self.on_ping,
+            Shutdown: self.on_shutdown,
+            ProfileControl: self.on_profile,
+            ResetPrefixCache: self.on_reset_prefix_cache,
+        }
+        for kind, handler in self.runner.hooks.messages().items():
+            if kind in self.handlers:
+                raise ValueError(f"a rank feature claims the loop's own {kind.__name__}")
+            self.handlers[kind] = handler
         # worker overlap (workers/overlap.py): the launched step whose tokens are not sent yet
         self.overlap = worker_overlap_on(config, self.runner.device.type)
         self.in_flight: InFlightStep | None = None
         self.clock = HostClock()
 
     def connect(self, endpoints: Endpoints, secret: bytes | None) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = make_socket(self.ctx, zmq.SUB, endpoints.broadcast, bind=False, secret=secret)
         self.push = make_socket(
             self.ctx, zmq.PUSH, endpoints.results, bind=False, secret=secret, linger_ms=1000
         )
         self.watch = DeviceWatch(self.sub, self.runner.device)
-        cfg = self.runner.model_config
+        cfg = self.runner.loaded_model_config()
         self.push.send(
             self.encoder.encode(
                 WorkerHello(
@@ -164,12 +171,12 @@ class Worker:
                     max_model_len=self.runner.max_model_len,
                     eos_token_id=cfg.eos_token_id,
                     dtype=str(self.runner.dtype).removeprefix("torch."),
-                    kv_connector_port=kv.port if (kv := self.runner.kv_connector) else 0,
+                    kv_connector_port=self.runner.kv_connector_port,
                 )
             )
         )
-        if self.runner.kv_connector is not None:  # its loads report to the core directly
-            self.runner.kv_connector.connect_reports(endpoints.results)
+        for connect in self.runner.hooks.connect:  # answers go out on this PUSH socket
+            connect(endpoints.results, self.send)
 
     def send(self, msg: msgspec.Struct) -> None:
         self.push.send(self.encoder.encode(msg))
@@ -179,8 +186,10 @@ class Worker:
         parent = os.getppid()
         last_heard = time.monotonic()
         silence_limit = CORE_STARTUP_SILENCE_S
+        hooks = self.runner.hooks
         while True:
-            timeout = GRAMMAR_POLL_MS if self.grammar_tickets or self.lora_tickets else POLL_MS
+            busy = any(busy() for busy in hooks.busy)
+            timeout = GRAMMAR_POLL_MS if busy else POLL_MS
             t0 = time.perf_counter()
             if self.in_flight is not None:
                 # the next diff while the device runs the step in flight, else finish that
@@ -191,10 +200,9 @@ class Worker:
             if device_done:
                 self.finish_in_flight()
                 continue
-            if self.grammar_tickets:
-                self.answer_grammars()
-            if self.lora_tickets:
-                self.answer_loras()
+            if busy:
+                for poll in hooks.poll:  # answer the features' background work that is done
+                    poll()
             now = time.monotonic()
             if frame is None:
                 if os.getppid() != parent:
@@ -219,78 +227,29 @@ class Worker:
                 return 1
             if not (isinstance(msg, HealthPing) and msg.nonce < 0):
                 silence_limit = CORE_SILENCE_S  # the core is past its start-up
-            if isinstance(msg, SchedulerOutput):
-                self.execute(msg)
-            elif isinstance(msg, HealthPing):
-                if msg.nonce < 0:  # start-up sync ping: say this SUB socket is live
-                    self.send(WorkerReady(rank=self.rank, nonce=msg.nonce))
-                else:
-                    self.send(HealthPong(rank=self.rank, nonce=msg.nonce,
-                                         last_step_id=self.last_step_id,
-                                         census=worker_census(self)))
-            elif isinstance(msg, Shutdown):
+            self.handlers.get(type(msg), self.on_other)(msg)
+            if self.stopping:
                 return 0
-            elif isinstance(msg, ProfileControl):
-                self.set_profiler(msg.enable, msg.trace_dir)
-            elif isinstance(msg, ResetPrefixCache):
-                pass  # KV contents need no reset: the scheduler only forgets hashes
-            elif isinstance(msg, PrepareGrammar):
-                fut = self.runner.prepare_grammar(msg.spec, msg.grammar_id)
-                self.grammar_tickets[msg.ticket] = (fut, msg.spec.key(), msg.grammar_id)
-                self.answer_grammars()  # a cached grammar is ready at once
-            elif isinstance(msg, DropGrammars):
-                self.drop_grammars(msg.grammar_ids)
-            elif isinstance(msg, PrepareLoRA):
-                self.prepare_lora(msg)
-            elif isinstance(msg, DropLoRA):
-                self.drop_lora(msg.lora_int_id)
 
-    def answer_grammars(self) -> None:
-        """Tell the core which of its grammars this rank has compiled (or failed to), with
-        what each costs this rank's cache: the core's budget counts it."""
-        from workers.sample.grammar_cache import grammar_bytes  # structured outputs only
+    def on_ping(self, msg: HealthPing) -> None:
+        if msg.nonce < 0:  # start-up sync ping: say this SUB socket is live
+            self.send(WorkerReady(rank=self.rank, nonce=msg.nonce))
+        else:
+            self.send(HealthPong(rank=self.rank, nonce=msg.nonce,
+                                 last_step_id=self.last_step_id,
+                                 census=worker_census(self.runner)))
 
-        done = [t for t, (f, _, _) in self.grammar_tickets.items() if f.done()]
-        for ticket in done:
-            fut, key, _ = self.grammar_tickets.pop(ticket)
-            if fut.cancelled():  # the pool closed under it: the rank is going down
-                continue
-            exc = fut.exception()
-            error = "" if exc is None else (str(exc) or type(exc).__name__)
-            size = 0 if exc is not None else grammar_bytes(key, fut.result())
-            self.send(GrammarReady(rank=self.rank, ticket=ticket, error=error, size_bytes=size,
-                                   cache_bytes=self.runner.grammar_cache_bytes()))
+    def on_shutdown(self, msg: Shutdown) -> None:
+        self.stopping = True
 
-    def drop_grammars(self, grammar_ids: list[int]) -> None:
-        """The core's eviction, at this point of the broadcast stream on every rank. A ticket
-        of a dropped grammar was settled by the core already (timed out, aborted): no answer."""
-        self.runner.drop_grammars(grammar_ids)
-        gone = set(grammar_ids)
-        for ticket in [t for t, (_, _, g) in self.grammar_tickets.items() if g in gone]:
-            del self.grammar_tickets[ticket]
+    def on_profile(self, msg: ProfileControl) -> None:
+        self.set_profiler(msg.enable, msg.trace_dir)
 
-    def prepare_lora(self, msg: PrepareLoRA) -> None:
-        """Start reading, checking and slicing the adapter on a helper thread; the step loop
-        answers once it is done (answer_loras). A refused adapter is an answer, never a
-        crash."""
-        fut = self.runner.begin_prepare_lora(msg.lora, msg.content_hash)
-        self.lora_tickets[msg.lora.lora_int_id] = (fut, msg, True)
-        self.answer_loras()  # held in host memory already: ready at once
+    def on_reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        pass  # KV contents need no reset: the scheduler only forgets hashes
 
-    def answer_loras(self) -> None:
-        """Answer every PrepareLoRA whose read is done. A read dropped meanwhile is still
-        answered (the core counts that answer as stale) but its adapter is not kept."""
-        done = [i for i, (f, _, _) in self.lora_tickets.items() if f.done()]
-        for lora_int_id in done:
-            fut, msg, wanted = self.lora_tickets.pop(lora_int_id)
-            error = self.runner.finish_prepare_lora(msg.lora, fut, keep=wanted)
-            self.send(LoRAReady(rank=self.rank, lora_int_id=lora_int_id, error=error))
-
-    def drop_lora(self, lora_int_id: int) -> None:
-        ticket = self.lora_tickets.get(lora_int_id)
-        if ticket is not None:
-            self.lora_tickets[lora_int_id] = (ticket[0], ticket[1], False)
-        self.runner.drop_lora(lora_int_id)
+    def on_other(self, msg: msgspec.Struct) -> None:
+        pass  # a message no one on a rank handles is for the engine core's other peers
 
     def _maybe_inject_fault(self, step_id: int) -> None:
         if self.fault is None:

@@ -11,13 +11,12 @@ import torch
 
 from protocol.messages import SchedulerOutput
 from workers.runner.batch_inputs import BatchInputs
+from workers.runner.step_sample import DraftTokens, StepTokens
 from workers.runner.token_copy import TokenTransfer
 
 if TYPE_CHECKING:
     from workers.attention.reference import AttentionMetadata
     from workers.runner.graph_buckets import Bucket
-    from workers.sample.spec_decode import SpecOutput
-    from workers.sample.structured import StepMasks
 
 
 @dataclass(eq=False)
@@ -44,9 +43,8 @@ class InFlightStep:
     transfer: TokenTransfer
     inputs: BatchInputs | None = None
     handles: np.ndarray = field(default_factory=_no_handles)  # sampling rows' requests
-    masks: StepMasks | None = None
-    spec: SpecOutput | None = None  # drafts verified: the tokens are on the host already
-    copy_us: float = 0.0  # issuing the KV tiers' copies
+    # the sampled tokens, plain or verified drafts; a step that samples nothing has none
+    tokens: StepTokens | DraftTokens = field(default_factory=StepTokens)
     # whether the next step may be prepared before this one finishes: False when nothing
     # runs on the device to hide behind, or the tokens' counts are needed first (drafts)
     overlappable: bool = False

@@ -5,7 +5,7 @@ by every worker (each compiles the grammars of its own requests), through the bo
 workers/sample/grammar_cache.py. xgrammar's compiler releases the GIL, so a step in progress
 keeps its core while a grammar compiles next to it.
 
-The vocabulary comes from the frontend's tokenizer loader (launch.tokenizer) given the same
+The vocabulary comes from the frontend's tokenizer loader (workers/tokenizer.py) given the same
 source the frontend uses (EngineConfig.tokenizer, else the model): one loader, so the frontend
 and every rank see one table.
 """
@@ -32,7 +32,7 @@ class GrammarError(ValueError):
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
-    """xgrammar's token table for a launch.tokenizer.Tokenizer and a model's logits width.
+    """xgrammar's token table for a workers.tokenizer.Tokenizer and a model's logits width.
 
     A tokenizer larger than the model (a real tokenizer on a small dummy model) is cut to the
     model's width: tokens the model cannot emit need no entry.
@@ -64,7 +64,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
 
 def load_tokenizer_info(source: str, vocab_size: int) -> xgr.TokenizerInfo:
     """The token table of a tokenizer source (directory, .gguf, or model name)."""
-    from launch.tokenizer import load_tokenizer  # the one loader the frontend uses
+    from workers.tokenizer import load_tokenizer  # the one loader the frontend uses
 
     tok = load_tokenizer(source)
     if tok is None:
