@@ -12,6 +12,12 @@ Hashes are unsigned 64-bit ints; the router hashes each block's token ids itself
 blocks by ``parent_block_hash``. A ROUTER socket on ``replay_endpoint`` answers a subscriber
 that missed batches: it sends ``[start_seq]`` and gets every buffered batch from there on as
 ``[seq, payload]``, then ``[END_SEQ, b""]``.
+
+What vllm-router 0.1.17 needs beyond the events (found by experiment, tests/serve/test_router.py):
+it gets a text prompt's tokens from the server's ``/v1/completions/render`` and reads the
+``token_ids`` key (``prompt_token_ids`` alone leaves the request unscored); it credits no prefix
+to a request whose body carries a field it does not know, ``return_token_ids`` included, and none
+to a request with a ``cache_salt``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ computed, like a real worker; its ModelRunnerOutput is built outside the timed r
         # single full-attention group vs hybrid (full + window), interleaved fresh processes
   python scripts/bench_scheduler.py --kv-blocks-at 8192 [--window 4096]
         # KV blocks (and MiB at Mistral-7B's shape) held at that context, windowed vs full
+  ... --kv-events                  # KV cache events on (published over ipc://, no subscriber)
+  ... --compare-events [--rounds 5]
+        # events off vs on, interleaved fresh processes; medians of us_per_step
   ... --json   -> last stdout line is one JSON object (us_per_step, schedule_us, update_us)
 """
 
@@ -101,6 +104,19 @@ class SchedulerBench:
         self.add_us: list[float] = []
         self.frame_bytes: list[int] = []
         self.running: list[int] = []
+        self.events_per_step: list[int] = []
+        self.publisher = None
+        if getattr(args, "kv_events", False):
+            # the engine core's wiring (engine_core/kv_cache/events.py attach_kv_events): the
+            # pool reports to the collector, end_step() hands the batch to the publisher thread
+            from engine_core.kv_cache.events import KVEventPublisher
+            from protocol.kv_events import KVEventsConfig
+
+            self._events_dir = tempfile.TemporaryDirectory()
+            ev_cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                    endpoint=f"ipc://{self._events_dir.name}/events")
+            self.publisher = KVEventPublisher(ev_cfg, 16)
+            self.sched.kv_cache_manager.block_pool.events = self.publisher.collector
 
     def add(self, n: int, prompt_len: int, max_tokens: int) -> None:
         t0 = time.perf_counter_ns()
@@ -119,8 +135,13 @@ class SchedulerBench:
         mo = fake_model_output(sched, so.step_id, self.rng)  # not timed
         t2 = time.perf_counter_ns()
         sched.update_from_output(so, mo)
+        n_events = 0
+        if self.publisher is not None:
+            n_events = len(self.publisher.collector.events)
+            self.publisher.end_step()  # timed: the core calls it once per step
         t3 = time.perf_counter_ns()
         if record:
+            self.events_per_step.append(n_events)
             self.sched_us.append((t1 - t0) / 1e3)
             self.update_us.append((t3 - t2) / 1e3)
             self.frame_bytes.append(len(self.encoder.encode(so)))
@@ -154,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     stats = b.sched.get_stats()
     if args.trace:
         b.sched.close()
+    if b.publisher is not None:
+        b.publisher.close()
     return {
         "case": "mixed" if args.mixed else f"decode{args.num_requests}",
         "kv_groups": args.kv_groups,
@@ -171,6 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "num_preemptions": stats["num_preemptions"],
         "prefix_hash": args.prefix_hash,
         "gc_freeze": args.gc_freeze,
+        "kv_events": b.publisher is not None,
+        "events_per_step": round(statistics.mean(b.events_per_step), 2),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -219,6 +244,35 @@ def compare_trace(args: argparse.Namespace, passthrough: list[str]) -> dict[str,
         "on_vs_off": round(med["on"] / med["off"], 3),
         "us_per_step_by_round": us,
         "trace_bytes_per_step": round(statistics.median(trace_bytes), 1),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def compare_events(args: argparse.Namespace, passthrough: list[str]) -> dict[str, object]:
+    """KV cache events off against on, each round both as fresh processes, interleaved so they
+    share the machine's drift; medians over the rounds."""
+    script = os.path.abspath(__file__)
+    us: dict[str, list[float]] = {"off": [], "on": []}
+    events = 0.0
+    for _ in range(args.rounds):
+        for name in ("off", "on"):
+            cmd = [sys.executable, script, *passthrough, "--json"]
+            if name == "on":
+                cmd.append("--kv-events")
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            us[name].append(res["us_per_step"])
+            if name == "on":
+                events = res["events_per_step"]
+    med = {k: statistics.median(v) for k, v in us.items()}
+    return {
+        "case": "mixed" if args.mixed else f"decode{args.num_requests}",
+        "rounds": args.rounds,
+        "off_us_per_step": round(med["off"], 1),
+        "on_us_per_step": round(med["on"], 1),
+        "on_vs_off": round(med["on"] / med["off"], 3),
+        "events_per_step": events,
+        "us_per_step_by_round": us,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -353,6 +407,9 @@ def main() -> None:
                    "--kv-blocks-at; default 64 there, 4096 for --kv-blocks-at)")
     p.add_argument("--kv-blocks-at", type=int, default=0, metavar="TOKENS",
                    help="KV blocks held at this context, windowed vs full attention")
+    p.add_argument("--kv-events", action="store_true", help="KV cache events on")
+    p.add_argument("--compare-events", action="store_true",
+                   help="KV cache events off vs on, interleaved rounds")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.kv_blocks_at:
@@ -360,7 +417,7 @@ def main() -> None:
             args.window = 4096  # Mistral-7B's window
         res = kv_blocks_at(args)
     elif args.compare_groups:
-        passthrough = []
+        passthrough: list[str] = []
         argv = sys.argv[1:]
         i = 0
         while i < len(argv):  # the case's own flags go to every child
@@ -373,13 +430,27 @@ def main() -> None:
                 passthrough.append(a)
             i += 1
         res = compare_groups(args, passthrough)
+    elif args.compare_events:
+        passthrough = []
+        argv = sys.argv[1:]
+        i = 0
+        while i < len(argv):  # the case's own flags go to every child
+            a = argv[i]
+            if a == "--rounds":
+                i += 2
+                continue
+            if a not in ("--compare-events", "--kv-events", "--json") and not a.startswith(
+                    "--rounds="):
+                passthrough.append(a)
+            i += 1
+        res = compare_events(args, passthrough)
     elif args.replay:
         res = run_replay(args)
     elif args.compare_trace:
         if not args.before_ref:
             p.error("--compare-trace needs --before-ref REV")
         skip = {"--compare-trace", "--json"}
-        passthrough: list[str] = []
+        passthrough = []
         argv = sys.argv[1:]
         i = 0
         while i < len(argv):  # the case's own flags go to every child

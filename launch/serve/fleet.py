@@ -2,7 +2,8 @@
 
 - ``GET /get_load``: ``{"load": n}``, the requests this server is working on (power_of_two);
 - ``POST /v1/completions/render`` and ``/v1/chat/completions/render``: the token ids the server
-  would run for a request body, without running it (cache_aware / kv_aware route by prefix);
+  would run for a request body, without running it (cache_aware / kv_aware route by prefix;
+  vllm-router reads ``token_ids``, so the key must stay);
 - ``GET /get_server_info``: the KV block size a kv_aware router hashes tokens by;
 - ``GET /kv_event_sources``: where this engine publishes its KV cache events (--kv-events-config).
 """

@@ -32,3 +32,20 @@ def test_compare_trace_prints_the_three_medians() -> None:
         assert out[f"{variant}_us_per_step"] == round(runs[0], 1), variant
     # the "on" variant really wrote its trace (bytes per step of the file it left)
     assert out["trace_bytes_per_step"] > 0
+
+
+def test_compare_events_prints_both_medians() -> None:
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_scheduler.py", "--compare-events", "--rounds", "1",
+         "--num-requests", "8", "--steps", "20", "--warmup", "2", "--prompt-len", "16",
+         "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["case"] == "decode8" and out["rounds"] == 1
+    for variant in ("off", "on"):
+        assert out[f"{variant}_us_per_step"] == round(out["us_per_step_by_round"][variant][0], 1)
+    # events really flowed in the "on" run: 8 decoding requests fill a 16-token block each
+    # every 16 steps, so 20 measured steps store some
+    assert out["events_per_step"] > 0

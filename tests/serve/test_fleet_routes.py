@@ -44,8 +44,12 @@ def test_render_gives_the_ids_a_generation_runs(server: Server) -> None:
     rendered = post(server, "/v1/completions/render", body).json()
     ran = post(server, "/v1/completions", body).json()["choices"][0]["prompt_token_ids"]
     assert [r["prompt_token_ids"] for r in rendered] == [ran]
+    # vllm-router reads token_ids (prompt_token_ids alone leaves a kv_aware request unscored)
+    assert [r["token_ids"] for r in rendered] == [ran]
     chat = {"model": "micro", "messages": MSGS, "max_tokens": 2}
-    ids = post(server, "/v1/chat/completions/render", chat).json()["prompt_token_ids"]
+    chat_rendered = post(server, "/v1/chat/completions/render", chat).json()
+    ids = chat_rendered["prompt_token_ids"]
+    assert chat_rendered["token_ids"] == ids
     usage = post(server, "/v1/chat/completions", chat).json()["usage"]
     assert len(ids) == usage["prompt_tokens"]
     tok = post(server, "/tokenize", {"model": "micro", "messages": MSGS,
