@@ -43,7 +43,12 @@ class KVEventSink:
         """blocks[start:end] of ``request`` were just offered to the prefix cache."""
 
     def removed(self, key: BlockHash) -> None:
-        """The cached block under hash-map key ``key`` was dropped (evicted or uncached)."""
+        """The cached block under hash-map key ``key`` was dropped (uncached)."""
+
+    def evicting(self, blocks: list[KVCacheBlock]) -> None:
+        """``blocks`` are about to be reused: those still holding a hash leave the prefix
+        cache. One call per batch, not per block: this runs on every allocation, and a no-op
+        call per evicted block cost the scheduler's step a measurable share."""
 
     def cleared(self) -> None:
         """Every cached prefix was forgotten."""
@@ -120,11 +125,10 @@ class BlockPool:
         table = self.cached_block_hash_to_block
         num_cached = self.num_cached_blocks
         offload = self.offload
-        events = self.events
+        self.events.evicting(blocks)
         for block in blocks:
             key = block.block_hash
             if key is not None:
-                events.removed(key)
                 # full-attention group 0 only (keys of other groups are tuples): the tiers
                 # are keyed by the plain block hash, and restores fill group 0's table
                 if offload is not None and type(key) is not tuple:

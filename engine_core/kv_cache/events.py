@@ -75,6 +75,11 @@ class EventCollector(KVEventSink):
         else:
             events.append(block_removed([external_hash(key)]))
 
+    def evicting(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            if block.block_hash is not None:
+                self.removed(block.block_hash)
+
     def cleared(self) -> None:
         self.events.append(dict(ALL_BLOCKS_CLEARED))
 

@@ -214,6 +214,8 @@ class ConnectorFeature(SchedulerFeature):
 class NgramDrafter(SchedulerFeature):
     """N-gram drafts for decoding requests (verified by the target model in the step)."""
 
+    proposes = True
+
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
 

@@ -76,6 +76,7 @@ class RunningPass:
         max_model_len = self.max_model_len
         overrides = diff.overrides
         draft = self.drafter.draft
+        drafting = self.drafter.proposes
         relieve = self.pins.relieve
         async_scheduling = self.async_scheduling
         total = 0
@@ -85,7 +86,7 @@ class RunningPass:
             computed = req.num_computed_tokens
             handle = req.handle
             assert handle is not None  # given on its first admission, kept until it ends
-            if computed == req.num_tokens - 1:
+            if drafting and computed == req.num_tokens - 1:
                 draft(req)  # decoding: drafts for the positions after the newest token
             placeholders = req.num_output_placeholders
             if placeholders and req.num_tokens + placeholders >= req.length_limit:
