@@ -52,7 +52,8 @@ class ServerContext:
     # names this server process to a router (GET /get_server_info): new at every start
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # the LoRA adapters clients may name in `model` (launch/serve/lora.py); none by default
-    adapters: ServedAdapters = field(default=None)  # type: ignore[assignment]
+    # (its base model's name, when not given, is the first served name: __post_init__)
+    adapters: ServedAdapters = field(default_factory=lambda: ServedAdapters([], [], ""))
     metrics: ServerMetrics = field(init=False)
     _prompt_chars: int | None = field(default=None, init=False)
     # launch.structured.FrontendGrammars, built on the first constrained request
@@ -62,8 +63,8 @@ class ServerContext:
         # one label value (the base model's name), whatever the adapters: label sets stay
         # bounded however many adapters come and go
         self.metrics = ServerMetrics(self.served_names[0])
-        if self.adapters is None:
-            self.adapters = ServedAdapters([], [], self.served_names[0])
+        if not self.adapters.base:
+            self.adapters.base = self.served_names[0]
 
     @property
     def model_name(self) -> str:

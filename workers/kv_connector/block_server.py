@@ -90,9 +90,10 @@ class BlockServer:
     def _run(self) -> None:
         sock = self.sock
         while not self._stop.is_set():
-            hot = self.progress is not None and time.monotonic() < self._hot_until
-            if hot:
-                self.progress()  # type: ignore[misc]
+            progress = self.progress
+            hot = progress is not None and time.monotonic() < self._hot_until
+            if progress is not None and hot:
+                progress()
             if not sock.poll(HOT_POLL_MS if hot else POLL_MS):
                 continue
             self._hot_until = time.monotonic() + HOT_S

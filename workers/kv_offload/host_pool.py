@@ -247,13 +247,14 @@ class KVOffloadExecutor:
 
     def settle(self, slots: Sequence[int], states: Sequence[int]) -> KVLoadResult | None:
         """Act on the agreed states; the report for the scheduler, None when nothing settled."""
-        assert self.disk is not None or not slots
         done = [s for s, st in zip(slots, states, strict=True) if st == READ_OK]
         failed = [s for s, st in zip(slots, states, strict=True) if st == READ_FAILED]
         if not (done or failed):
             return None
+        disk = self.disk
+        assert disk is not None  # only disk reads settle here
         for s in (*done, *failed):
-            self.disk.forget(s)  # type: ignore[union-attr]
+            disk.forget(s)
             self._loading.discard(s)
         self._bad.update(failed)  # the bytes there may be partial: never restore them
         return KVLoadResult(done_host_slots=pack(done), failed_host_slots=pack(failed))
