@@ -3,8 +3,9 @@ streamed and not), P/D mode (one prefill and one decode server; greedy tokens eq
 engine's, the decode engine loads the prompt's KV instead of computing it) and kv_aware routing
 fed by Tandem's KV cache events (a request goes to the replica holding its prefix).
 
-Two servers serve every test (both P/D capable, both publishing events); each router is
-started and stopped by its test. Skipped where the vllm-router binary is absent.
+Two servers serve every test (both P/D capable, both publishing events; the first at TP=1,
+the second at TP=2, so P/D runs 1 -> 2 and 2 -> 1); each router is started and stopped by its
+test. Skipped where the vllm-router binary is absent.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]
     with serve(*ENGINE, "--tokenizer", tok, "--kv-events-config", events_config(*ports[0]),
                log_dir=logs) as s1, \
          serve(*ENGINE, "--tokenizer", tok, "--kv-events-config", events_config(*ports[1]),
-               log_dir=logs) as s2:
+               "--nproc-per-node", "2", log_dir=logs) as s2:
         yield [(s, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}")
                for s, (ev, rp) in zip((s1, s2), ports, strict=True)]
 
@@ -77,18 +78,21 @@ def test_regular_mode(servers: list[Replica], tmp_path: object) -> None:
         assert got == want
 
 
-def test_pd_mode(servers: list[Replica], tmp_path: object) -> None:
+@pytest.mark.parametrize("direction", ["tp1-to-tp2", "tp2-to-tp1"])
+def test_pd_mode(servers: list[Replica], tmp_path: object, direction: str) -> None:
     (s1, _, _), (s2, _, _) = servers
-    prompt = [(i * 104729) % 31000 + 200 for i in range(75)]
+    prefill, decode = (s1, s2) if direction == "tp1-to-tp2" else (s2, s1)
+    seed = 104729 if direction == "tp1-to-tp2" else 7919  # a prompt neither server holds
+    prompt = [(i * seed) % 31000 + 200 for i in range(75)]
     # one engine's tokens, from the prefill server: the decode server must not hold the prompt
-    want = complete(s1.base_url, prompt)["choices"][0]["token_ids"]
-    loaded = metric(httpx.get(s2.base_url + "/metrics", timeout=10).text,
+    want = complete(prefill.base_url, prompt)["choices"][0]["token_ids"]
+    loaded = metric(httpx.get(decode.base_url + "/metrics", timeout=10).text,
                     "tandem:kv_loaded_tokens_total")
-    with router("--vllm-pd-disaggregation", "--prefill", s1.base_url, "--decode", s2.base_url,
-                "--policy", "round_robin", log_dir=str(tmp_path)) as url:
+    with router("--vllm-pd-disaggregation", "--prefill", prefill.base_url, "--decode",
+                decode.base_url, "--policy", "round_robin", log_dir=str(tmp_path)) as url:
         out = complete(url, prompt, max_tokens=8)
     assert out["choices"][0]["token_ids"] == want
-    text = httpx.get(s2.base_url + "/metrics", timeout=10).text
+    text = httpx.get(decode.base_url + "/metrics", timeout=10).text
     # the decode engine pulled all but the last prompt token (recomputed to sample the first)
     assert metric(text, "tandem:kv_loaded_tokens_total") - loaded == len(prompt) - 1
 
