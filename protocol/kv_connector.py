@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.config_forms import config_from
 from protocol.packing import ProtocolError, unpack
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -102,22 +103,7 @@ def parse_kv_transfer_config(value: str | dict[str, Any] | KVTransferConfig,
                              name: str = "--kv-transfer-config") -> KVTransferConfig:
     """The config in any of its forms (the flag's JSON string, vLLM's dict, the struct);
     ValueError naming the bad key."""
-    try:
-        if isinstance(value, KVTransferConfig):
-            cfg = value
-        elif isinstance(value, str):
-            cfg = msgspec.json.decode(value.encode(), type=KVTransferConfig)
-        elif isinstance(value, dict):
-            cfg = msgspec.convert(value, KVTransferConfig)
-        else:
-            raise ValueError(f"{name}: expected a JSON string, a dict or a KVTransferConfig, "
-                             f"got {type(value).__name__}")
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ValueError(f"{name}: {e}") from None
-    err = kv_transfer_config_error(cfg)
-    if err is not None:
-        raise ValueError(err)
-    return cfg
+    return config_from(value, KVTransferConfig, name, kv_transfer_config_error)
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):

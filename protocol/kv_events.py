@@ -26,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from protocol.config_forms import config_from
+
 SEQ_BYTES = 8
 END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # the end of a replay
 MEDIUM = "GPU"  # the engine's own KV cache (vLLM's name for the device tier)
@@ -67,22 +69,7 @@ def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig,
                            name: str = "--kv-events-config") -> KVEventsConfig:
     """The config in any of its forms (the flag's JSON string, vLLM's dict, the struct);
     ValueError naming the bad key."""
-    try:
-        if isinstance(value, KVEventsConfig):
-            cfg = value
-        elif isinstance(value, str):
-            cfg = msgspec.json.decode(value.encode(), type=KVEventsConfig)
-        elif isinstance(value, dict):
-            cfg = msgspec.convert(value, KVEventsConfig)
-        else:
-            raise ValueError(f"{name}: expected a JSON string, a dict or a KVEventsConfig, "
-                             f"got {type(value).__name__}")
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ValueError(f"{name}: {e}") from None
-    err = kv_events_config_error(cfg)
-    if err is not None:
-        raise ValueError(err)
-    return cfg
+    return config_from(value, KVEventsConfig, name, kv_events_config_error)
 
 
 def external_hash(block_hash: Any) -> int:
