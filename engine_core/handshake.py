@@ -107,4 +107,5 @@ def build_scheduler(config: EngineConfig, hellos: dict[int, WorkerHello]) -> Sch
         eos_token_id=h0.eos_token_id,
         kv_cache_groups=groups,
         offload=offload,
+        images=h0.accepts_images,
     )

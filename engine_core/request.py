@@ -94,6 +94,8 @@ class Request:
         "lora_int_id",
         "lora_hash",
         "lora_skips",
+        "mm_items",
+        "mm_end",
     )
 
     def __init__(
@@ -129,6 +131,11 @@ class Request:
         self.job_id = None if job is None else job.job_id
         self.is_last_step = False if job is None else job.is_last_step
         self.tool_name = None if job is None else job.tool_name
+        # images (protocol/multimodal.py), in prompt order; mm_end: the end of the last
+        # placeholder span (0 without images), so a step past it skips the encoder's checks
+        self.mm_items = options.mm
+        self.mm_end = max((i.placeholder.offset + i.placeholder.length for i in options.mm),
+                          default=0)
         self.prompt_token_ids = list(prompt_token_ids)
         # packed once here so admission (a hot path) never re-packs the prompt
         self.packed_prompt = pack(self.prompt_token_ids)

@@ -119,6 +119,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # KV cache events for a router's prefix index (protocol/kv_events.py, --kv-events-config);
     # None = off
     kv_events_config: KVEventsConfig | None = None
+    # images (multimodal models, protocol/multimodal.py): the embeddings the encoder may
+    # compute in one step (vLLM's max_num_encoder_input_tokens) and the engine core's encoder
+    # cache bound, in embeddings (vLLM's encoder_cache_size); None = max_num_batched_tokens
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
 
 def worker_overlap_on(config: EngineConfig, device_type: str) -> bool:

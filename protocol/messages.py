@@ -37,6 +37,7 @@ import msgspec
 from protocol.kv_connector import KVConnectorMetadata, KVConnectorReport, KVTransferParams
 from protocol.kv_transfer import KVLoadResult, KVTransfers
 from protocol.lora import LoRARequest, LoRAStep
+from protocol.multimodal import EncoderStep
 from protocol.request_options import NO_OPTIONS, RequestOptions
 from protocol.structured import StructuredOutputsParams
 
@@ -48,7 +49,8 @@ from protocol.structured import StructuredOutputsParams
 # 5: disaggregated prefill / decode (protocol/kv_connector.py: kv_transfer_params on AddRequest
 #    and EngineCoreOutput, the connector's ops in the step diff, KVConnectorReport, the ranks'
 #    block-server ports in the hello)
-PROTOCOL_VERSION = 6
+# 7: images (protocol/multimodal.py: MMItem in AddRequest's options, EncoderSchedulerOutput)
+PROTOCOL_VERSION = 7
 
 
 class SamplingParams(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -279,6 +281,13 @@ class SchedulerOutput(msgspec.Struct, array_like=True, tag=20, kw_only=True):
     kv_connector: KVConnectorMetadata | None = None
 
 
+class EncoderSchedulerOutput(SchedulerOutput, tag=29, kw_only=True):
+    """A step with encoder work (images): a SchedulerOutput and its encoder part. Its own tag
+    keeps a text-only step's bytes those of a plain SchedulerOutput (protocol/multimodal.py)."""
+
+    encoder: EncoderStep
+
+
 class Shutdown(msgspec.Struct, array_like=True, tag=21):
     reason: str = ""
 
@@ -337,8 +346,8 @@ class DropLoRA(msgspec.Struct, array_like=True, tag=27):
 
 
 WorkerBroadcast = (
-    SchedulerOutput | Shutdown | HealthPing | ProfileControl | ResetPrefixCache | PrepareGrammar
-    | DropGrammars | PrepareLoRA | DropLoRA
+    SchedulerOutput | EncoderSchedulerOutput | Shutdown | HealthPing | ProfileControl
+    | ResetPrefixCache | PrepareGrammar | DropGrammars | PrepareLoRA | DropLoRA
 )
 
 
@@ -370,6 +379,7 @@ class WorkerHello(msgspec.Struct, array_like=True, tag=30, kw_only=True):
     kv_bytes_per_block: int = 0  # this rank's bytes of one block in the host tier
     dtype: str = ""  # the model dtype this rank runs in (EngineConfig.dtype "auto" resolved)
     kv_connector_port: int = 0  # this rank's KV block server (P/D), 0 = none
+    accepts_images: bool = False  # the model has a vision encoder (protocol/multimodal.py)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):

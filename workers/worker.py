@@ -32,6 +32,7 @@ from protocol.codec import Encoder, ProtocolError, broadcast_decoder
 from protocol.config import EngineConfig, worker_overlap_on
 from protocol.error_file import write_error_file
 from protocol.messages import (
+    EncoderSchedulerOutput,
     HealthPing,
     HealthPong,
     ProfileControl,
@@ -131,6 +132,7 @@ class Worker:
         # message type -> handler; the features' own (PrepareGrammar, PrepareLoRA, ...) too
         self.handlers: dict[type, Callable[[Any], None]] = {
             SchedulerOutput: self.execute,
+            EncoderSchedulerOutput: self.execute,  # a step with images
             HealthPing: self.on_ping,
             Shutdown: self.on_shutdown,
             ProfileControl: self.on_profile,
@@ -172,6 +174,7 @@ class Worker:
                     eos_token_id=cfg.eos_token_id,
                     dtype=str(self.runner.dtype).removeprefix("torch."),
                     kv_connector_port=self.runner.kv_connector_port,
+                    accepts_images=self.runner.accepts_images,
                 )
             )
         )

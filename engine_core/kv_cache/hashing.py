@@ -5,7 +5,10 @@ longest cached prefix. ``cache_salt`` goes into the first block's extra keys, so
 different salts never share anything. A LoRA adapter's identity (its name and content hash)
 joins the salt there, so a base-model prompt never hits an adapter's blocks, two adapters never
 share blocks, and a name reloaded with new weights never finds the old weights' KV; a
-base-model request's keys are the same with and without LoRA enabled. "sha256" is collision
+base-model request's keys are the same with and without LoRA enabled. A block that overlaps an
+image's placeholder span adds (mm_hash, the block's start relative to the span) per image, so
+the same text with different images never shares a block, while the same image at the same
+place does; a text-only block's keys are unchanged. "sha256" is collision
 safe (the default: a collision would silently serve another prompt's KV); "fast" uses Python's
 64-bit tuple hash.
 """
@@ -19,6 +22,7 @@ from typing import Any
 import msgspec
 
 from engine_core.request import BlockHash, Request
+from protocol.multimodal import MMItem
 
 HashFn = Callable[[Any, Sequence[int], Any], BlockHash]
 
@@ -55,6 +59,18 @@ def first_block_extra(
     return None if cache_salt is None else (cache_salt,)
 
 
+def mm_block_extra(items: Sequence[MMItem], start: int, end: int) -> tuple[Any, ...]:
+    """(mm_hash, start - offset) of each image whose span overlaps tokens [start, end)."""
+    keys = []
+    for item in items:
+        ph = item.placeholder
+        if ph.offset < end and start < ph.offset + ph.length:
+            keys.append((ph.mm_hash, start - ph.offset))
+        elif ph.offset >= end:
+            break  # items are in prompt order
+    return tuple(keys)
+
+
 def hash_request_tokens(
     hash_fn: HashFn,
     block_size: int,
@@ -62,13 +78,17 @@ def hash_request_tokens(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     lora_hash: str = "",
+    mm_items: Sequence[MMItem] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of ``tokens`` (a reference implementation for tests)."""
     out: list[BlockHash] = []
     parent = None
     first = first_block_extra(cache_salt, lora_name, lora_hash)
     for i in range(len(tokens) // block_size):
-        extra = first if i == 0 else None
+        extra: Any = first if i == 0 else None
+        mm = mm_block_extra(mm_items, i * block_size, (i + 1) * block_size)
+        if mm:
+            extra = (extra, mm)
         parent = hash_fn(parent, tokens[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
@@ -92,6 +112,7 @@ class BlockHasher:
         i = len(hashes)
         parent = hashes[-1] if hashes else None
         hash_fn = self.hash_fn
+        extra: Any
         while (i + 1) * bs <= request.num_tokens:
             if i == 0:
                 lora = request.lora
@@ -101,6 +122,10 @@ class BlockHasher:
                 )
             else:
                 extra = None
+            if i * bs < request.mm_end:
+                mm = mm_block_extra(request.mm_items, i * bs, (i + 1) * bs)
+                if mm:
+                    extra = (extra, mm)
             parent = hash_fn(parent, tokens[i * bs : (i + 1) * bs], extra)
             hashes.append(parent)
             i += 1

@@ -8,8 +8,8 @@ aside while it loads (P/D). Every other reason to stop (budget, KV blocks, a pre
 being read from disk, the whole-fit gate) stops the scan.
 
 The features' decisions are calls on objects that are always present (features.py): the
-slot policy, the restorer, the pin relief and the remote KV; each is a no-op when its feature
-is off.
+slot policy, the restorer, the pin relief, the remote KV and the encoder plan (images); each
+is a no-op when its feature is off.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from protocol.messages import NewRequestData, ResumedRequestData
 if TYPE_CHECKING:
     from engine_core.kv_cache.coordinator import KVCacheBlocks
     from engine_core.kv_cache.manager import KVCacheManager
-    from engine_core.sched.features import Hooks, PinRelief, Restorer, SlotPolicy
+    from engine_core.sched.features import EncoderPlan, Hooks, PinRelief, Restorer, SlotPolicy
     from engine_core.sched.request_queue import WaitingQueue
     from engine_core.sched.running_set import RunningSet
     from protocol.config import EngineConfig
@@ -45,6 +45,7 @@ class WaitingAdmission:
         restorer: Restorer,
         pins: PinRelief,
         hooks: Hooks,
+        encoder: EncoderPlan,
     ) -> None:
         self.waiting = waiting
         self.running = running
@@ -62,6 +63,7 @@ class WaitingAdmission:
         self.restorer = restorer
         self.pins = pins
         self.hooks = hooks
+        self.encoder = encoder
         # the KV connector's loads: set when the engine core attaches a connector
         self.remote: RemoteKV = NoRemoteKV()
         self.next_handle = 0
@@ -93,6 +95,7 @@ class WaitingAdmission:
         restorer = self.restorer
         pins = self.pins
         remote = self.remote
+        encoder = self.encoder
         on_admitted = self.hooks.on_admitted
         skipped: list[Request] = []
         slots.begin_pass()
@@ -133,6 +136,11 @@ class WaitingAdmission:
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - num_hit)
+            images = None
+            if encoder.encodes and num_hit < req.mm_end:  # the chunk may cross an image
+                n, images = encoder.plan(req, num_hit, n)
+                if n <= 0:  # its next image does not fit this step: it waits its turn
+                    break
             fits = kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore)
             # pins of later jobs go back first; with nothing running, any pin (waiting for
             # them to expire would leave the engine idle)
@@ -140,6 +148,8 @@ class WaitingAdmission:
                 fits = kvm.allocate_slots(req, n, num_hit, hits, num_restored_blocks=restore)
             if fits is None:
                 break
+            if images:
+                encoder.commit(req, images)
             for hook in on_admitted:
                 hook(req, num_hit)
             restorer.on_restored(restore)

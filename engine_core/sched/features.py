@@ -12,8 +12,9 @@ feature branches:
   ``NoRestore`` restores nothing, ``NoPins`` relieves nothing, ``NoRemoteKV`` loads nothing,
   ``NoDrafts`` proposes nothing).
 
-A new feature (an encoder budget, another draft model) subclasses ``SchedulerFeature`` and
-implements the decision protocol it changes; the passes do not change.
+A new feature (another draft model) subclasses ``SchedulerFeature`` and implements the
+decision protocol it changes; the passes do not change. The encoder's decisions (images:
+engine_core/multimodal/scheduling.py) are ``EncoderPlan``'s, ``NoEncoder`` when images are off.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class SchedulerFeature:
     def after_free(self, req: Request) -> None:
         """``req``'s blocks went back; forget what was kept for it."""
 
+    def before_build(self, diff: StepDiff) -> None:
+        """The step's decisions are final: add the feature's part of the diff."""
+
     def on_step_built(self, so: SchedulerOutput, diff: StepDiff, step_id: int) -> None:
         """The step's output is built: add the feature's metadata, record the step."""
 
@@ -100,8 +104,8 @@ class SchedulerFeature:
 
 HOOK_NAMES = (
     "tick", "refuse", "on_arrival", "on_abort", "begin_step", "on_admitted", "on_preempt",
-    "on_finish", "after_free", "on_step_built", "after_update", "has_work", "stats",
-    "held_tables", "exempt_ids", "check", "close",
+    "on_finish", "after_free", "before_build", "on_step_built", "after_update", "has_work",
+    "stats", "held_tables", "exempt_ids", "check", "close",
 )
 
 
@@ -120,6 +124,7 @@ class Hooks:
     on_preempt: list[Callable[[Request, int], None]]
     on_finish: list[Callable[[Request, RequestStatus], None]]
     after_free: list[Callable[[Request], None]]
+    before_build: list[Callable[[StepDiff], None]]
     on_step_built: list[Callable[[SchedulerOutput, StepDiff, int], None]]
     after_update: list[Callable[[int, list[EngineCoreOutput], list[list[int]] | None], None]]
     has_work: list[Callable[[], bool]]
@@ -147,6 +152,20 @@ class Hooks:
 
 
 # ---------------------------------------------------------------------- decisions
+
+
+class EncoderPlan(Protocol):
+    """Which images a chunk needs encoded or read, and where the chunk must stop (images)."""
+
+    encodes: bool  # False: plan() never cuts, the passes skip it
+
+    def plan(self, req: Request, computed: int, n: int) -> tuple[int, list[int]]:
+        """The chunk's tokens as far as its images fit this step, and the images it needs."""
+        ...
+
+    def commit(self, req: Request, needed: list[int]) -> None:
+        """The chunk got its KV: encode or reference its images."""
+        ...
 
 
 class SlotPolicy(Protocol):

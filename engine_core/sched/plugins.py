@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine_core.kv_connector.scheduler_side import KVConnectorScheduler
     from engine_core.kv_offload.scheduling import OffloadScheduling
     from engine_core.lora.slots import LoRASlots
+    from engine_core.multimodal.scheduling import EncoderScheduling
     from engine_core.sched.continuum.policy import Continuum
     from engine_core.sched.interface import SchedulerView
     from engine_core.sched.request_queue import WaitingQueue
@@ -209,6 +210,53 @@ class ConnectorFeature(SchedulerFeature):
 
     def close(self) -> None:
         self.conn.close()
+
+
+class EncoderFeature(SchedulerFeature):
+    """Images: the encoder budget per step and the encoder-output cache
+    (engine_core/multimodal/); the passes ask its plan, the hooks give references back."""
+
+    encodes = True
+
+    def __init__(self, scheduling: EncoderScheduling, requests: dict[str, Request],
+                 by_handle: dict[int, Request]) -> None:
+        self.scheduling = scheduling
+        self.requests = requests
+        self.by_handle = by_handle
+
+    # the encoder plan (features.EncoderPlan)
+    def plan(self, req: Request, computed: int, n: int) -> tuple[int, list[int]]:
+        return self.scheduling.plan(req, computed, n)
+
+    def commit(self, req: Request, needed: list[int]) -> None:
+        self.scheduling.commit(req, needed)
+
+    # hooks
+
+    def refuse(self, req: Request) -> str | None:
+        return self.scheduling.refuse(req) if req.mm_items else None
+
+    def begin_step(self) -> None:
+        self.scheduling.begin_step()
+
+    def on_preempt(self, req: Request, num_written_tokens: int) -> None:
+        self.scheduling.release_all(req)
+
+    def after_free(self, req: Request) -> None:
+        self.scheduling.release_all(req)
+
+    def before_build(self, diff: StepDiff) -> None:
+        diff.encoder = self.scheduling.take_step(diff, self.by_handle)
+
+    def after_update(self, step_id: int, outputs: list[EngineCoreOutput],
+                     kv_load: list[list[int]] | None) -> None:
+        self.scheduling.release_computed(self.requests)
+
+    def stats(self) -> dict[str, float]:
+        return self.scheduling.stats()
+
+    def check(self, running: list[Request]) -> None:
+        self.scheduling.check(running)
 
 
 class NgramDrafter(SchedulerFeature):

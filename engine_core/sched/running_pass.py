@@ -2,7 +2,8 @@
 admission order; when KV runs out, a victim is preempted by recompute and the pass retries.
 
 Features act through objects that are always present (features.py): the drafter proposes
-drafts for decoding requests, the pin relief gives a pin back before anyone is preempted, and
+drafts for decoding requests, the encoder plan cuts a chunk before an image that cannot be
+encoded this step, the pin relief gives a pin back before anyone is preempted, and
 the hooks hear of each preemption (the offload tier copies the victim's blocks out).
 """
 
@@ -17,7 +18,7 @@ from engine_core.sched.step_diff import StepDiff
 
 if TYPE_CHECKING:
     from engine_core.kv_cache.manager import KVCacheManager
-    from engine_core.sched.features import Drafter, Hooks, PinRelief
+    from engine_core.sched.features import Drafter, EncoderPlan, Hooks, PinRelief
     from engine_core.sched.request_queue import WaitingQueue
     from engine_core.sched.running_set import RunningSet
     from protocol.config import EngineConfig
@@ -51,6 +52,7 @@ class RunningPass:
         pick_victim: VictimPicker,
         hooks: Hooks,
         finish_in_schedule: Callable[[Request, RequestStatus, StepDiff], None],
+        encoder: EncoderPlan,
     ) -> None:
         self.running = running
         self.waiting = waiting
@@ -66,6 +68,7 @@ class RunningPass:
         self.pick_victim = pick_victim
         self.hooks = hooks
         self.finish_in_schedule = finish_in_schedule
+        self.encoder = encoder
         self.num_preemptions = 0
 
     def schedule(self, diff: StepDiff, budget: int) -> int:
@@ -79,6 +82,8 @@ class RunningPass:
         drafting = self.drafter.proposes
         relieve = self.pins.relieve
         async_scheduling = self.async_scheduling
+        encoding = self.encoder.encodes
+        plan_images = self.encoder.plan
         total = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -101,6 +106,9 @@ class RunningPass:
                 n = budget
             if n > max_model_len - computed:  # never compute a position >= max_model_len
                 n = max_model_len - computed
+            images = None
+            if encoding and computed < req.mm_end:  # the chunk may cross an image
+                n, images = plan_images(req, computed, n)
             if n <= 0:
                 overrides[handle] = 0
                 i += 1
@@ -131,6 +139,8 @@ class RunningPass:
                 continue
             if new_blocks:
                 diff.grown[handle] = new_blocks
+            if images:
+                self.encoder.commit(req, images)
             if n != 1:
                 overrides[handle] = n
             if req.spec_token_ids:

@@ -27,12 +27,15 @@ from engine_core.kv_connector.scheduler_side import KVConnectorScheduler
 from engine_core.kv_offload import KVOffloadManager
 from engine_core.kv_offload.scheduling import OffloadScheduling
 from engine_core.lora.slots import LoRASlots
+from engine_core.multimodal.encoder_cache import EncoderCacheManager
+from engine_core.multimodal.scheduling import EncoderScheduling, NoEncoder
 from engine_core.request import FINISH_REASONS, Request, RequestStatus
 from engine_core.sched import update
 from engine_core.sched.admission import WaitingAdmission
 from engine_core.sched.continuum.policy import Continuum
 from engine_core.sched.features import (
     Drafter,
+    EncoderPlan,
     Hooks,
     NoDrafts,
     NoPins,
@@ -48,6 +51,7 @@ from engine_core.sched.invariants import check_block_pool, check_scheduler_queue
 from engine_core.sched.plugins import (
     ConnectorFeature,
     ContinuumFeature,
+    EncoderFeature,
     LoRASlotFeature,
     NgramDrafter,
     OffloadFeature,
@@ -86,7 +90,9 @@ class Scheduler:
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
         offload: KVOffloadManager | None = None,
         clock: Callable[[], float] = time.monotonic,
+        images: bool = False,
     ) -> None:
+        """images: the model takes images (an encoder budget and cache are kept)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.config = config
@@ -117,6 +123,7 @@ class Scheduler:
         self._lora: LoRASlotFeature | None = None
         self._drafter: NgramDrafter | None = None
         self._trace: TraceFeature | None = None
+        self._encoder: EncoderFeature | None = None
         restorer: Restorer = NoRestore()
         pins: PinRelief = NoPins()
         slots: SlotPolicy = NoSlots()
@@ -146,12 +153,20 @@ class Scheduler:
         self.running_set = RunningSet(kvm, slots, pins, self.reserve_full_isl)
         self.requests: dict[str, Request] = {}  # every unfinished request by id
         self.by_handle: dict[int, Request] = {}  # requests the workers know
+        self.images = images
+        encoder: EncoderPlan = NoEncoder()
+        if images:  # the encoder budget per step and the encoder cache (multimodal/)
+            enc_budget = config.max_num_encoder_input_tokens or max_num_batched_tokens
+            encoder = self._encoder = EncoderFeature(
+                EncoderScheduling(EncoderCacheManager(config.encoder_cache_size or enc_budget),
+                                  enc_budget),
+                self.requests, self.by_handle)
         self._admission = WaitingAdmission(
             config, self.waiting, self.running_set, kvm, self.by_handle, max_model_len,
-            max_num_batched_tokens, slots, restorer, pins, self.hooks)
+            max_num_batched_tokens, slots, restorer, pins, self.hooks, encoder)
         self._running_pass = RunningPass(
             config, self.running_set, self.waiting, kvm, max_model_len, drafter, pins,
-            pick_victim, self.hooks, self._finish_in_schedule)
+            pick_victim, self.hooks, self._finish_in_schedule, encoder)
         self.slots = slots
         self._step_id = 0
         self._finished_handles: list[int] = []  # to tell the workers in the next step
@@ -169,7 +184,7 @@ class Scheduler:
     def _set_features(self) -> None:
         features: list[SchedulerFeature | None] = [
             self._offload, self._continuum, self._connector, self._lora, self._drafter,
-            self._trace]
+            self._encoder, self._trace]
         self.hooks.set(f for f in features if f is not None)
 
     # ------------------------------------------------------------------ the features' objects
@@ -186,6 +201,10 @@ class Scheduler:
     @property
     def lora(self) -> LoRASlots | None:
         return self._lora.slots if self._lora is not None else None
+
+    @property
+    def encoder(self) -> EncoderScheduling | None:
+        return self._encoder.scheduling if self._encoder is not None else None
 
     @property
     def proposer(self) -> NgramProposer | None:
@@ -247,6 +266,8 @@ class Scheduler:
         if request.eos_token_id is None and self.eos_token_id is not None:
             request.set_eos_token_id(self.eos_token_id)
         reason = self._admission.refusal_reason(request)
+        if request.mm_items and not self.images:
+            reason = reason or "this model does not accept images"
         for refuse in hooks.refuse:
             reason = reason or refuse(request)
         if reason:
@@ -361,6 +382,8 @@ class Scheduler:
         if diff.spec:
             self.spec_by_step[step_id] = diff.spec
         finished, self._finished_handles = self._finished_handles, []
+        for before_build in hooks.before_build:
+            before_build(diff)
         so = diff.build(step_id, finished, len(self.running_set.requests),
                         self.kv_cache_manager.num_groups, self.slots.take_ops())
         for on_step_built in hooks.on_step_built:

@@ -7,15 +7,19 @@ steady decode step is a few dozen bytes whatever the batch size.
 
 from __future__ import annotations
 
+import msgspec
+
 from engine_core.kv_cache.block import KVCacheBlock
 from protocol.codec import pack
 from protocol.lora import LoRASlotOp, LoRAStep
 from protocol.messages import (
     CachedRequestData,
+    EncoderSchedulerOutput,
     NewRequestData,
     ResumedRequestData,
     SchedulerOutput,
 )
+from protocol.multimodal import EncoderStep
 
 
 class StepDiff:
@@ -31,6 +35,7 @@ class StepDiff:
         "total",
         "lora_handles",
         "lora_ids",
+        "encoder",
     )
 
     def __init__(self) -> None:
@@ -48,6 +53,8 @@ class StepDiff:
         # requests appear in neither)
         self.lora_handles: list[int] = []
         self.lora_ids: list[int] = []
+        # the encoder's part (images); None: a text-only step, sent as a plain SchedulerOutput
+        self.encoder: EncoderStep | None = None
 
     def forget(self, handle: int) -> int:
         """Drop a running request's entries (it was preempted after being scheduled) and
@@ -76,7 +83,7 @@ class StepDiff:
             cached = CachedRequestData()
         overrides = self.overrides
         spec = self.spec
-        return SchedulerOutput(
+        so = SchedulerOutput(
             step_id=step_id,
             new_reqs=self.new_reqs,
             resumed_reqs=self.resumed_reqs,
@@ -92,6 +99,9 @@ class StepDiff:
             total_num_scheduled_tokens=self.total,
             lora=self._lora(lora_ops),
         )
+        if self.encoder is None:
+            return so
+        return EncoderSchedulerOutput(**msgspec.structs.asdict(so), encoder=self.encoder)
 
     def _lora(self, ops: list[LoRASlotOp] | None) -> LoRAStep | None:
         """The step's LoRA part: None (one nil byte) unless it loads or empties a slot or

@@ -15,6 +15,13 @@ from protocol.kv_connector import (
 )
 from protocol.kv_transfer import KVLoadResult, KVTransfers, pack_tags
 from protocol.lora import LoRARequest, LoRASlotOp, LoRAStep
+from protocol.multimodal import (
+    EncoderInput,
+    EncoderStep,
+    MMItem,
+    MMPlaceholder,
+    RequestPlaceholders,
+)
 from protocol.request_options import JobInfo, RequestOptions
 from protocol.structured import StructuredOutputsParams
 
@@ -40,6 +47,8 @@ KV_PARAMS = KVTransferParams(
     remote_lease_s=30.0,
 )
 
+IMAGE = MMItem(MMPlaceholder("ab" * 32, 1, 4, (1, 4, 4)), bytes(range(256)) * 3)
+
 # one instance of every message type, every field away from its default
 SAMPLES: list[msgspec.Struct] = [
     m.AddRequest(
@@ -59,6 +68,22 @@ SAMPLES: list[msgspec.Struct] = [
         sampling_params=SP,
         options=RequestOptions(
             priority=2, job=JobInfo(job_id="agent-7", is_last_step=True, tool_name="grep")),
+    ),
+    m.AddRequest(
+        request_id="req-img-1",
+        prompt_token_ids=pack([1, 5, 5, 5, 5, 2]),
+        sampling_params=SP,
+        options=RequestOptions(mm=[IMAGE]),
+    ),
+    m.EncoderSchedulerOutput(
+        step_id=8,
+        num_running=1,
+        total_num_scheduled_tokens=6,
+        encoder=EncoderStep(
+            new_placeholders=[RequestPlaceholders(3, [IMAGE.placeholder])],
+            scheduled_encoder_inputs=[EncoderInput("ab" * 32, (1, 4, 4), bytes(range(9)))],
+            free_encoder_mm_hashes=["cd" * 32],
+        ),
     ),
     m.AbortRequests(request_ids=["a", "b"]),
     m.HealthRequest(nonce=99),
