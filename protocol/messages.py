@@ -406,6 +406,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, tag=31, kw_only=True):
     # the engine core finishes them with "error" and drops their tokens
     failed_handles: bytes = b""
     failed_reasons: list[str] = []
+    # this rank's time in the vision encoder this step (images), microseconds
+    encoder_us: float = 0.0
 
 
 class WorkerError(msgspec.Struct, array_like=True, tag=32, kw_only=True):

@@ -41,6 +41,7 @@ class EncoderScheduling:
         self.reading: dict[str, list[int]] = {}
         self.num_encoder_runs = 0
         self.num_encoded_embeddings = 0
+        self.encoder_seconds = 0.0  # rank 0's time in the encoder
 
     def refuse(self, req: Request) -> str | None:
         """An image that could never be scheduled would stall its request forever."""
@@ -167,6 +168,7 @@ class EncoderScheduling:
         return self.cache.stats() | {
             "encoder_runs": float(self.num_encoder_runs),
             "encoder_embeddings": float(self.num_encoded_embeddings),
+            "encoder_seconds": self.encoder_seconds,
         }
 
     def check(self, running: list[Request]) -> None:

@@ -76,6 +76,9 @@ class SchedulerFeature:
     def on_step_built(self, so: SchedulerOutput, diff: StepDiff, step_id: int) -> None:
         """The step's output is built: add the feature's metadata, record the step."""
 
+    def on_model_output(self, model_output: ModelRunnerOutput) -> None:
+        """A step's results arrived (before they are applied): take the feature's figures."""
+
     def after_update(self, step_id: int, outputs: list[EngineCoreOutput],
                      kv_load: list[list[int]] | None) -> None:
         """The step's results were applied; ``kv_load``: offload reads that settled."""
@@ -104,8 +107,8 @@ class SchedulerFeature:
 
 HOOK_NAMES = (
     "tick", "refuse", "on_arrival", "on_abort", "begin_step", "on_admitted", "on_preempt",
-    "on_finish", "after_free", "before_build", "on_step_built", "after_update", "has_work",
-    "stats", "held_tables", "exempt_ids", "check", "close",
+    "on_finish", "after_free", "before_build", "on_step_built", "on_model_output",
+    "after_update", "has_work", "stats", "held_tables", "exempt_ids", "check", "close",
 )
 
 
@@ -126,6 +129,7 @@ class Hooks:
     after_free: list[Callable[[Request], None]]
     before_build: list[Callable[[StepDiff], None]]
     on_step_built: list[Callable[[SchedulerOutput, StepDiff, int], None]]
+    on_model_output: list[Callable[[ModelRunnerOutput], None]]
     after_update: list[Callable[[int, list[EngineCoreOutput], list[list[int]] | None], None]]
     has_work: list[Callable[[], bool]]
     stats: list[Callable[[], dict[str, float]]]

@@ -248,6 +248,9 @@ class EncoderFeature(SchedulerFeature):
     def before_build(self, diff: StepDiff) -> None:
         diff.encoder = self.scheduling.take_step(diff, self.by_handle)
 
+    def on_model_output(self, model_output: ModelRunnerOutput) -> None:
+        self.scheduling.encoder_seconds += model_output.encoder_us * 1e-6
+
     def after_update(self, step_id: int, outputs: list[EngineCoreOutput],
                      kv_load: list[list[int]] | None) -> None:
         self.scheduling.release_computed(self.requests)

@@ -398,6 +398,8 @@ class Scheduler:
         for tick in hooks.tick:
             tick()
         kv_load = self.restorer.absorb(model_output)
+        for on_model_output in hooks.on_model_output:
+            on_model_output(model_output)
         outputs = update.update_from_output(self, scheduler_output, model_output)
         step_id = scheduler_output.step_id
         for after_update in hooks.after_update:

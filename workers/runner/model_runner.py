@@ -104,6 +104,7 @@ class ModelRunner:
         self.features: list[StepHook] = []
         self.hooks = StepHooks(self.features)
         self._lora: LoRAFeature | LoRAOff = LoRAOff(dist.rank)  # PrepareLoRA's answerer
+        self.accepts_images = False  # the model has a vision encoder (workers/multimodal/)
         self._closed = False
 
     def plug(self, feature: StepHook) -> None:
@@ -148,6 +149,16 @@ class ModelRunner:
         # then)
         self.plug(GrammarFeature(self.config, self.model_config.vocab_size, self.device,
                                  self.dist.rank))
+        if self.model_config.vision is not None:  # images: the encoder and its output cache
+            from workers.model.qwen2_vl import Qwen2VLForConditionalGeneration
+            from workers.multimodal.feature import EncoderFeature
+            from workers.multimodal.settings import read_image_settings
+
+            assert isinstance(self.model, Qwen2VLForConditionalGeneration)
+            self.plug(EncoderFeature(self.model, self.input_batch,
+                                     read_image_settings(self.config.model), self.device,
+                                     self.dtype))
+            self.accepts_images = True
         if self.device.type == "cuda":
             budget = self.config.max_num_batched_tokens or GPU_MAX_BATCHED_TOKENS
             # A step's tokens fit the budget; drafts may add up to K per request on top.
