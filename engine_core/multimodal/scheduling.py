@@ -164,6 +164,18 @@ class EncoderScheduling:
                            scheduled_encoder_inputs=list(self.scheduled.values()),
                            free_encoder_mm_hashes=freed)
 
+    def trace_record(self, step: EncoderStep | None) -> dict[str, int]:
+        """This step's encoder work (embeddings against the budget) and the cache after it."""
+        cache = self.cache
+        return {
+            "budget": self.budget,
+            "embeddings": self.budget - self.left,
+            "inputs": 0 if step is None else len(step.scheduled_encoder_inputs),
+            "freed": 0 if step is None else len(step.free_encoder_mm_hashes),
+            "cache_used": cache.used,
+            "cache_capacity": cache.capacity,
+        }
+
     def stats(self) -> dict[str, float]:
         return self.cache.stats() | {
             "encoder_runs": float(self.num_encoder_runs),

@@ -272,6 +272,9 @@ class SchedulerTrace:
         }
         if sched.kv_offload is not None:
             self._pending[step_id]["kv_offload"] = self._offload_record(sched)
+        enc = getattr(sched, "encoder", None)
+        if enc is not None:  # images: the encoder's work this step and its cache
+            self._pending[step_id]["encoder"] = enc.trace_record(diff.encoder)
         conn = getattr(sched, "kv_connector", None)
         if conn is not None:  # P/D: requests waiting for their KV, loads, leases
             self._pending[step_id]["kv_connector"] = conn.trace_record()

@@ -48,6 +48,16 @@ _LORA_STATS = {
     "lora_skips": "Admission passes that skipped a request for want of a slot (total)",
 }
 
+# images: the encoder-output cache and the encoder's time (absent for text-only models)
+_ENCODER_STATS = {
+    "encoder_cache_usage": "Fraction of the encoder cache (--encoder-cache-size) in use",
+    "encoder_cache_entries": "Encoder outputs cached",
+    "encoder_cache_hits": "Images whose cached encoder output was read (total)",
+    "encoder_cache_misses": "Images the encoder ran on (total)",
+    "encoder_cache_evictions": "Encoder outputs evicted for room (total)",
+    "encoder_seconds": "Rank 0's time in the vision encoder (total)",
+}
+
 
 class ServerMetrics:
     """Every metric of one server, in its own registry (several apps can share a process)."""
@@ -90,6 +100,10 @@ class ServerMetrics:
         }
         self.lora = {
             key: Gauge(f"tandem:{key}", doc, labels, registry=r) for key, doc in _LORA_STATS.items()
+        }
+        self.encoder = {
+            key: Gauge(f"tandem:{key}", doc, labels, registry=r)
+            for key, doc in _ENCODER_STATS.items()
         }
         self._labels = {"model_name": model_name}
         self._ttft = self.ttft.labels(**self._labels)
@@ -151,7 +165,7 @@ class ServerMetrics:
             self.waiting.labels(**self._labels).set(report.num_waiting)
             self.kv_usage.labels(**self._labels).set(report.kv_usage)
             self.vllm.on_report(report)
-            for key, gauge in (self.continuum | self.lora).items():
+            for key, gauge in (self.continuum | self.lora | self.encoder).items():
                 if key in report.stats:
                     gauge.labels(**self._labels).set(report.stats[key])
         self.in_flight.labels(**self._labels).set(in_flight)

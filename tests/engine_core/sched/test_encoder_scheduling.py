@@ -218,3 +218,19 @@ def test_a_text_only_step_is_a_plain_scheduler_output_byte_for_byte() -> None:
     sched = scheduler()
     sched.add_request(request("i", [1, 2], [("x", 4)], [3]))
     assert isinstance(sched.schedule(), EncoderSchedulerOutput)
+
+
+def test_the_encoder_budget_holds_in_the_scheduler_trace(tmp_path) -> None:
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    sched = scheduler(budget=16, enc_budget=24, scheduler_trace=str(trace))
+    w = worker(sched)
+    for i in range(4):
+        sched.add_request(request(f"r{i}", [40 + i] * 3, [(f"t{i}a", 20), (f"t{i}b", 12)], [9]))
+    run_to_completion(sched, w)
+    sched.close()
+    steps = [r for r in map(json.loads, trace.read_text().splitlines()) if r["type"] == "step"]
+    used = [s["encoder"]["embeddings"] for s in steps]
+    assert max(used) <= 24 and sum(used) == 4 * 32
+    assert all(s["encoder"]["cache_used"] <= s["encoder"]["cache_capacity"] for s in steps)
