@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from workers.model.registry import model_type_of
+from workers.model.vision.config import VisionConfig, VisionKind
+
+# the vision-language families: a Qwen2 LM (q/k/v bias, no o_proj bias, M-RoPE) fed by a vision
+# tower (workers/model/vision/)
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass
@@ -45,6 +50,13 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # vision-language models (VL_MODEL_TYPES): the vision tower, M-RoPE's split of the rotary
+    # half-dims over the (time, height, width) position rows, and the special tokens
+    vision: VisionConfig | None = None
+    mrope_section: list[int] = field(default_factory=list)
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
 
     def windows(self) -> list[int]:
         """The sliding window of every layer (0 = full attention)."""
@@ -57,15 +69,25 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         model_type = model_type_of(d)
+        top = d
+        if model_type in VL_MODEL_TYPES:
+            # transformers 5 nests the LM's keys in text_config; Hub checkpoints keep them at the
+            # top level. Either way the outer dict names the architecture and the vision keys.
+            d = {**d, **(d.get("text_config") or {}), "model_type": model_type}
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
-        qwen2 = model_type == "qwen2"
+        qwen2 = model_type in ("qwen2", *VL_MODEL_TYPES)
         attention_bias = True if qwen2 else bool(d.get("attention_bias", False))
         # transformers >= 5 folds rope_theta and rope_scaling into one rope_parameters dict.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = float(d.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
         rope.pop("rope_theta", None)
+        # M-RoPE (Hub configs: type "mrope"; transformers 5: "default" plus mrope_section) uses
+        # the default frequencies; the section only says which position row each half-dim reads
+        mrope_section = [int(n) for n in rope.pop("mrope_section", None) or []]
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "mrope":
+            rope_type = "default"
         rope_scaling = None if rope_type == "default" else rope
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # llama3 lists several; the first is the canonical one
@@ -92,7 +114,30 @@ class ModelConfig:
             model_type=model_type,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
         )
+        if model_type in VL_MODEL_TYPES:
+            config = _with_vision_fields(config, top, model_type, mrope_section)
         return _with_moe_fields(config, d, model_type)
+
+
+def _with_vision_fields(config: ModelConfig, d: dict, model_type: str,
+                        mrope_section: list[int]) -> ModelConfig:
+    kind: VisionKind = "qwen2_vl" if model_type == "qwen2_vl" else "qwen2_5_vl"
+    vision = VisionConfig.from_hf_dict(d.get("vision_config") or {}, kind)
+    if vision.out_hidden_size != config.hidden_size:
+        raise ValueError(f"vision merger outputs {vision.out_hidden_size} features for an LM of "
+                         f"hidden size {config.hidden_size}")
+    section = mrope_section or [16, 24, 24]  # transformers' default
+    if sum(section) != config.head_dim // 2:
+        raise ValueError(f"mrope_section {section} does not cover head_dim {config.head_dim} / 2")
+
+    def token(key: str) -> int | None:
+        value = d.get(key)
+        return None if value is None else int(value)
+
+    return replace(config, vision=vision, mrope_section=section,
+                   image_token_id=token("image_token_id"),
+                   vision_start_token_id=token("vision_start_token_id"),
+                   vision_end_token_id=token("vision_end_token_id"))
 
 
 def _with_moe_fields(config: ModelConfig, d: dict, model_type: str) -> ModelConfig:
@@ -137,7 +182,8 @@ def _layer_windows(d: dict, model_type: str) -> list[int]:
     """
     n = int(d["num_hidden_layers"])
     window = d.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not d.get("use_sliding_window", False):
+    if (model_type in ("qwen2", "qwen3", "qwen3_moe", *VL_MODEL_TYPES)
+            and not d.get("use_sliding_window", False)):
         window = None
     if not window:
         return []
@@ -152,7 +198,7 @@ def _layer_windows(d: dict, model_type: str) -> list[int]:
         if unknown:
             raise ValueError(f"unsupported layer_types {sorted(unknown)}")
         windows = [window if t == "sliding_attention" else 0 for t in types]
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in ("qwen2", "qwen3", *VL_MODEL_TYPES):
         first = int(d.get("max_window_layers", n))
         windows = [window if i >= first else 0 for i in range(n)]
     else:
@@ -268,6 +314,47 @@ DUMMY_PRESETS |= {
 }
 REAL_SHAPE_INIT_STD = 0.02
 
+# Vision-language presets. Qwen/Qwen2-VL-2B-Instruct and Qwen/Qwen2.5-VL-7B-Instruct (their
+# config.json values), and small ones of each family for CPU tests (vocab 256 with the special
+# tokens at its top, head_dim 16 split 2/3/3 over (t, h, w) by M-RoPE).
+_QWEN2_VL_2B = ModelConfig(
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=32768,
+    tie_word_embeddings=True, attention_bias=True, bos_token_id=151643, eos_token_id=151645,
+    torch_dtype="bfloat16", model_type="qwen2_vl", mrope_section=[16, 24, 24],
+    image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653,
+    vision=VisionConfig(kind="qwen2_vl", depth=32, embed_dim=1280, num_heads=16,
+                        intermediate_size=5120, hidden_act="quick_gelu", out_hidden_size=1536),
+)
+_QWEN2_VL_TINY = replace(
+    _QWEN2_VL_2B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    rope_theta=10000.0, mrope_section=[2, 3, 3], image_token_id=250, vision_start_token_id=251,
+    vision_end_token_id=252,
+    vision=VisionConfig(kind="qwen2_vl", depth=2, embed_dim=32, num_heads=2,
+                        intermediate_size=64, hidden_act="quick_gelu", out_hidden_size=64),
+)
+DUMMY_PRESETS |= {
+    "qwen2-vl-2b": _QWEN2_VL_2B,
+    "qwen2.5-vl-7b": replace(
+        _QWEN2_VL_2B, model_type="qwen2_5_vl", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+        max_position_embeddings=128000, tie_word_embeddings=False,
+        vision=VisionConfig(kind="qwen2_5_vl", depth=32, embed_dim=1280, num_heads=16,
+                            intermediate_size=3420, hidden_act="silu", out_hidden_size=3584,
+                            window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                            tokens_per_second=2)),
+    "qwen2-vl-tiny": _QWEN2_VL_TINY,
+    "qwen2.5-vl-tiny": replace(
+        _QWEN2_VL_TINY, model_type="qwen2_5_vl",
+        vision=VisionConfig(kind="qwen2_5_vl", depth=2, embed_dim=32, num_heads=2,
+                            intermediate_size=48, hidden_act="silu", out_hidden_size=64,
+                            window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)),
+}
+REAL_SHAPE_PRESETS = REAL_SHAPE_PRESETS | {"qwen2-vl-2b", "qwen2.5-vl-7b"}
+
 
 def dummy_config(name: str) -> ModelConfig:
     """Config of a `dummy:<preset>` model name (a fresh copy, safe to modify)."""
@@ -277,9 +364,12 @@ def dummy_config(name: str) -> ModelConfig:
     base = DUMMY_PRESETS[preset]
     # presets derived with `replace` share their list fields with their base, so every mutable
     # field is copied here
+    vision = base.vision and replace(
+        base.vision, fullatt_block_indexes=list(base.vision.fullatt_block_indexes))
     return replace(base, rope_scaling=_copy(base.rope_scaling),
                    mlp_only_layers=list(base.mlp_only_layers),
-                   layer_windows=list(base.layer_windows))
+                   layer_windows=list(base.layer_windows), vision=vision,
+                   mrope_section=list(base.mrope_section))
 
 
 def _copy(d: dict | None) -> dict | None:

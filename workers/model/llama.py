@@ -228,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         attn0 = self.layers[0].self_attn
         if attn0.k_cache is None:
             raise RuntimeError("KV cache not allocated: call allocate_kv_cache() first")
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         metas = meta if isinstance(meta, list) else [meta] * len(self.kv_cache_groups)
         if len(metas) != len(self.kv_cache_groups):
             raise ValueError(f"{len(metas)} attention metadata for "
@@ -244,6 +244,11 @@ class LlamaForCausalLM(nn.Module):
         if delta is None:  # no layers
             return self.norm(h)
         return self.norm.add_and_norm(h, delta)[1]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> the first layer's input [T, hidden]; multimodal models override it to put
+        encoder outputs in place of placeholder tokens."""
+        return self.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from workers.model.llama import LlamaForCausalLM, WeightSource
 from workers.model.moe.block import MIXTRAL_EXPERT_NAMES, QWEN3_MOE_EXPERT_NAMES, moe_param_shapes
 from workers.model.paths import DUMMY_PREFIX, resolve_model
 from workers.model.registry import model_class
+from workers.model.vision.config import vision_param_shapes
+from workers.model.vision.parallel import VisionShard
 
 __all__ = ["resolve_model", "load_model", "load_model_config", "DummySource",
            "ShardDummySource", "SafetensorsSource", "hf_param_shapes"]
@@ -72,7 +74,14 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        f"{p}.self_attn.v_proj.bias": (kv,)}
         if cfg.o_proj_bias:
             shapes[f"{p}.self_attn.o_proj.bias"] = (h,)
+    if cfg.vision is not None:
+        shapes |= vision_param_shapes(cfg.vision)
     return shapes
+
+
+def _is_norm_weight(name: str) -> bool:
+    """Norm scales are drawn as ones (the LM's, and the vision tower's norm1/norm2/ln_q)."""
+    return name.endswith(("norm.weight", ".norm1.weight", ".norm2.weight", ".ln_q.weight"))
 
 
 class DummySource:
@@ -92,7 +101,7 @@ class DummySource:
     def read(self, name: str, dim: int | None = None, start: int = 0,
              end: int | None = None) -> torch.Tensor:
         shape = self.shapes[name]
-        if name.endswith("norm.weight"):
+        if _is_norm_weight(name):
             full = torch.ones(shape)
         else:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -121,7 +130,7 @@ class ShardDummySource:
         shape = list(full)
         if dim is not None:
             shape[dim] = (full[dim] if end is None else end) - start
-        if name.endswith("norm.weight"):
+        if _is_norm_weight(name):
             return torch.ones(shape, dtype=self.dtype, device=self.device)
         key = f"{name}:{dim}:{start}:{end}".encode()
         gen = torch.Generator(device=self.device)
@@ -132,6 +141,9 @@ class ShardDummySource:
 
 def _tp_pads(cfg: ModelConfig, tp_size: int) -> bool:
     """Whether this TP size pads heads, MLP rows or vocabulary rows with zeros."""
+    if cfg.vision is not None and VisionShard.of(cfg.vision, 0, tp_size).sharded \
+            and cfg.vision.intermediate_size % tp_size:
+        return True
     return any(n % tp_size for n in (cfg.num_key_value_heads, cfg.intermediate_size,
                                      cfg.vocab_size, cfg.moe_intermediate_size))
 

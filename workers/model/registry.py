@@ -26,6 +26,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "workers.model.qwen3_moe",
                                         "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": Architecture("mixtral", "workers.model.mixtral", "MixtralForCausalLM"),
+    # one class serves both vision-language families; the config picks the vision blocks
+    "Qwen2VLForConditionalGeneration": Architecture("qwen2_vl", "workers.model.qwen2_vl",
+                                                    "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": Architecture("qwen2_5_vl", "workers.model.qwen2_vl",
+                                                       "Qwen2VLForConditionalGeneration"),
 }
 _BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 
