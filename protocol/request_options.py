@@ -16,6 +16,7 @@ import msgspec
 
 from protocol.kv_connector import KVTransferParams
 from protocol.lora import LoRARequest
+from protocol.multimodal import MMItem
 
 
 class JobInfo(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=True):
@@ -32,6 +33,8 @@ class RequestOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     job: JobInfo | None = None  # the agent program this request is a turn of
     kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill / decode
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    # the prompt's images, processed, in prompt order (launch/multimodal/); [] for text
+    mm: list[MMItem] = []
 
 
 NO_OPTIONS = RequestOptions()
