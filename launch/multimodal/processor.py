@@ -47,7 +47,8 @@ class ProcessorConfig:
         """From preprocessor_config.json's content; ``overrides`` (min_pixels / max_pixels)
         win. ValueError for a value of the wrong kind."""
         d = ImageSettings()
-        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+        given = cfg.get("size")
+        size: dict[str, Any] = given if isinstance(given, dict) else {}
         min_px = size.get("shortest_edge", cfg.get("min_pixels", DEFAULT_MIN_PIXELS))
         max_px = size.get("longest_edge", cfg.get("max_pixels", DEFAULT_MAX_PIXELS))
         # the older keys win over `size`, as transformers' __init__ lets them
