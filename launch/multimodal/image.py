@@ -53,11 +53,19 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
             img.load()
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:  # PIL's own limit, if set lower than ours
-        raise ImageError(f"image is too large: {e}") from None
+    except Image.DecompressionBombError:
+        # PIL's own bound (twice Image.MAX_IMAGE_PIXELS), checked in open() itself: it stays
+        # in force (it is process-wide, not ours to lift), so a higher max_pixels cannot pass it
+        raise ImageError(f"image is over the limit of {min(max_pixels, _pil_bound())} "
+                         "pixels") from None
     except Exception as e:  # noqa: BLE001 - every decoder failure is a bad image
         raise ImageError(f"cannot decode image: {_reason(e)}") from None
     return img
+
+
+def _pil_bound() -> int:
+    bound = Image.MAX_IMAGE_PIXELS
+    return 2 * bound if bound else 2**63
 
 
 def _reason(e: Exception) -> str:
