@@ -60,3 +60,52 @@ class EncoderStep(msgspec.Struct, array_like=True, kw_only=True, omit_defaults=T
     scheduled_encoder_inputs: list[EncoderInput] = []
     # cached outputs no request will read again: every rank drops exactly these
     free_encoder_mm_hashes: list[str] = []
+
+
+class ImageSettings(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
+    """How resized pixels become patches: what the ranks need besides the pixels themselves.
+
+    The frontend reads it from the model's preprocessor_config.json (launch/multimodal/
+    processor.py) and it is part of every item's ``mm_hash``; the ranks derive the same value
+    from the same file, so it need not travel with each item. Defaults are transformers'
+    Qwen2-VL image processor's (OpenAI CLIP mean and std). The resize bounds (min / max
+    pixels) are not here: they shape the pixels the frontend sends, not what a rank does.
+    """
+
+    patch_size: int = 14  # pixels per patch side
+    merge_size: int = 2  # patches per merged token side (spatial_merge_size)
+    temporal_patch_size: int = 2  # frames per patch (an image is repeated to fill them)
+    image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
+
+
+def image_settings_from(cfg: dict) -> ImageSettings:
+    """The settings a preprocessor_config.json dict names (transformers' defaults for the
+    rest); ValueError for a value of the wrong kind."""
+    d = ImageSettings()
+
+    def whole(key: str, default: int) -> int:
+        v = cfg.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{key} must be a positive integer, got {v!r}")
+        return v
+
+    def triple(key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
+        v = cfg.get(key, default)
+        if not (isinstance(v, list | tuple) and len(v) == 3
+                and all(isinstance(x, int | float) for x in v)):
+            raise ValueError(f"{key} must be three numbers, got {v!r}")
+        return (float(v[0]), float(v[1]), float(v[2]))
+
+    scale = cfg.get("rescale_factor", d.rescale_factor)
+    if not isinstance(scale, int | float) or isinstance(scale, bool):
+        raise ValueError(f"rescale_factor must be a number, got {scale!r}")
+    return ImageSettings(
+        patch_size=whole("patch_size", d.patch_size),
+        merge_size=whole("merge_size", d.merge_size),
+        temporal_patch_size=whole("temporal_patch_size", d.temporal_patch_size),
+        image_mean=triple("image_mean", d.image_mean),
+        image_std=triple("image_std", d.image_std),
+        rescale_factor=float(scale),
+    )

@@ -33,7 +33,8 @@ class RequestOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     job: JobInfo | None = None  # the agent program this request is a turn of
     kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill / decode
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
-    mm: list[MMItem] = []  # images, processed, in prompt order (protocol/multimodal.py)
+    # the prompt's images, processed, in prompt order (launch/multimodal/); [] for text
+    mm: list[MMItem] = []
 
 
 NO_OPTIONS = RequestOptions()
