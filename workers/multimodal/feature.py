@@ -23,17 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from workers.model.mrope import MMStep, mrope_positions
-from workers.multimodal.pixels import patches
 
 from protocol.messages import EncoderSchedulerOutput, SchedulerOutput
 from protocol.multimodal import EncoderInput, ImageSettings, MMPlaceholder
+from workers.model.mrope import MMStep, mrope_positions
+from workers.multimodal.pixels import patches
 from workers.runner.request_state import unpack_i32
 from workers.step_hooks import StepHook
 
 if TYPE_CHECKING:
     from workers.model.qwen2_vl import Qwen2VLForConditionalGeneration
-
     from workers.runner.batch_inputs import BatchInputs
     from workers.runner.input_batch import InputBatch
 
