@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import queue
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -13,6 +13,7 @@ import msgspec
 from launch.census import Census, assemble
 from launch.client import Delivery, EngineClient, EngineDeadError, Sink, Tracked
 from launch.lora_modules import LoRAArg, resolve_lora_options
+from launch.multimodal.options import MM_OPTION_NAMES, MultiModalOptions
 from launch.outputs import RequestMetrics, RequestOutput, StreamEvent
 from launch.processes import (
     ProcessGroup,
@@ -29,9 +30,12 @@ from protocol.kv_connector import KVTransferParams, parse_kv_transfer_config, wi
 from protocol.lora import LoRARequest
 from protocol.messages import EngineCoreOutput as WireOutput
 from protocol.messages import HealthReport, SamplingParams
+from protocol.multimodal import MMItem
 from protocol.transport import Endpoints, ipc_endpoints, remove_ipc_dir, tcp_endpoints
 
-Prompt = str | Sequence[int]
+# a dict is vLLM's form for a prompt with images: {"prompt" or "prompt_token_ids",
+# "multi_modal_data": {"image": ...}} (launch/multimodal/inputs.py)
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 ENGINE_OPTIONS = set(EngineConfig.__struct_fields__) - {"model", "tensor_parallel_size"}
 
@@ -74,6 +78,10 @@ class LLM:
         startup_timeout_s: float = 600.0,
         **engine_options: Any,
     ) -> None:
+        # the image options (vLLM's limit_mm_per_prompt, ...) are the frontend's, not the engine's
+        mm_kwargs = {k: engine_options.pop(k) for k in list(engine_options) if k in MM_OPTION_NAMES}
+        self.mm_options = MultiModalOptions.from_kwargs(mm_kwargs)
+        self._image_inputs: Any = None  # launch.multimodal.inputs.ImageInputs, on first use
         self.config = _engine_config(model, tensor_parallel_size, engine_options)
         if self.config.kv_transfer_config is not None:  # one engine id for core and ranks
             self.config = msgspec.structs.replace(
@@ -215,7 +223,23 @@ class LLM:
             raise EngineDeadError(self.client.dead_reason)
         return self.client
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def image_inputs(self) -> Any:
+        """The model's ImageInputs (launch/multimodal/inputs.py), read on first use."""
+        if self._image_inputs is None:
+            from launch.multimodal.inputs import ImageInputs
+
+            self._image_inputs = ImageInputs.for_model(self.config.model, self.mm_options)
+        return self._image_inputs
+
+    def prompt_inputs(self, prompt: Prompt) -> tuple[list[int], list[MMItem]]:
+        """A prompt's token ids and its images' items; a dict prompt's placeholders are
+        expanded (ValueError for a bad image, a text-only model or too many images)."""
+        if isinstance(prompt, Mapping):
+            ids, items = self.image_inputs().prompt_inputs(prompt, self.encode)
+            return ids, items
+        return self.encode(prompt), []
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -258,9 +282,13 @@ class LLM:
                     # it afresh, so it holds one caller's frames, not every caller's
                     e.__traceback__ = None
                     raise
+            # every prompt's ids and images before any is sent: a bad image in the third
+            # prompt is a ValueError with nothing running, not two requests left behind
+            inputs = [self.prompt_inputs(p) for p in prompts]
             results: list[RequestOutput] = []
-            for i, (p, sp, opts) in enumerate(zip(prompts, params, options, strict=True)):
-                ids = self.encode(p)
+            for i, ((ids, mm), sp, opts) in enumerate(zip(inputs, params, options, strict=True)):
+                if mm:
+                    opts = msgspec.structs.replace(opts, mm=mm)
                 rid = client.new_request_id()
                 tr = client.add_request(rid, ids, sp, sink, index=i, options=opts, ticket=ticket)
                 results.append(RequestOutput(rid, ids, metrics=RequestMetrics(tr.arrival_time)))
@@ -438,7 +466,7 @@ class LLM:
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     seq: list[Any] = list(prompts)
     if seq and isinstance(seq[0], int):

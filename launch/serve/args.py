@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from launch.args import add_engine_args, add_torchrun_args
+from launch.multimodal.args import add_multimodal_args
 from launch.serve.body import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_torchrun_args(p)
     add_engine_args(p)
+    add_multimodal_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)

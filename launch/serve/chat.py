@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from launch.serve.chat_images import fetch_chat_images, with_images
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request, logger, public_detail
 from launch.serve.field_checks import check_logprobs, check_messages
@@ -17,6 +18,7 @@ from launch.serve.schemas import ChatCompletionRequest, ChatMessage, message_dic
 from launch.serve.structured import constrain, request_constraint
 from launch.serve.tool_stream import ToolCallStream
 from launch.serve.tools import tool_constraint, with_tool_calls
+from protocol.multimodal import MMItem
 
 
 def chat_prompt(
@@ -45,6 +47,20 @@ def chat_prompt(
     return ctx.encode(text, add_special_tokens, "messages")
 
 
+async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest
+                      ) -> tuple[list[int], list[MMItem]]:
+    """The request's prompt ids (placeholders expanded) and its images' items ([] for text)."""
+    check_messages(req.messages)
+    images = await fetch_chat_images(ctx, req.messages)  # 400 before any work if refused
+    # templating and tokenizing are CPU work: off the event loop
+    ids = await asyncio.to_thread(
+        chat_prompt, ctx, req.messages, req.add_generation_prompt, req.add_special_tokens
+    )
+    if not images:
+        return ids, []
+    return await asyncio.to_thread(with_images, ctx, ids, images)
+
+
 def _logprobs(tokenizer: Any, ids: list[int], lps: list[float], top: int) -> dict[str, Any]:
     content = []
     for t, lp in zip(ids, pad_logprobs(lps, len(ids)), strict=True):
@@ -61,10 +77,7 @@ async def create_chat_completion(
     ctx.check_model(req.model)
     ctx.check_alive()
     check_logprobs(req.top_logprobs, "top_logprobs")
-    # templating and tokenizing are CPU work: off the event loop
-    ids = await asyncio.to_thread(
-        chat_prompt, ctx, req.messages, req.add_generation_prompt, req.add_special_tokens
-    )
+    ids, mm = await chat_inputs(ctx, req)
     # `is None`, not `or`: max_completion_tokens=0 is a value (refused), not "unset"
     max_tokens: int | None
     if req.max_completion_tokens is not None:
@@ -75,7 +88,7 @@ async def create_chat_completion(
         max_tokens = max(1, ctx.engine.max_model_len - len(ids))
     want_lp = req.logprobs
     top = req.top_logprobs or 0
-    gen = ctx.start_generation("chatcmpl", req, [ids], max_tokens, want_lp, param)
+    gen = ctx.start_generation("chatcmpl", req, [ids], max_tokens, want_lp, param, mm)
     extra = req.model_extra or {}
     spec, tools = request_constraint(extra), tool_constraint(extra)
     plan = None

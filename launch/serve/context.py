@@ -32,6 +32,7 @@ from launch.serve.metrics import ServerMetrics
 from launch.serve.schemas import SamplingFields
 from protocol.lora import LoRARequest
 from protocol.messages import SamplingParams
+from protocol.multimodal import MMItem
 
 T = TypeVar("T")
 
@@ -73,6 +74,11 @@ class ServerContext:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def image_inputs(self) -> Any:
+        """The served model's launch.multimodal.inputs.ImageInputs (the LLM's own)."""
+        return self.engine.llm.image_inputs()
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model); 404 for an unknown name."""
@@ -136,7 +142,8 @@ class ServerContext:
 
     def start_generation(self, id_prefix: str, req: SamplingFields, prompts: list[list[int]],
                          max_tokens: int, logprobs: bool,
-                         max_tokens_param: str = "max_tokens") -> Generation:
+                         max_tokens_param: str = "max_tokens",
+                         mm: list[MMItem] | None = None) -> Generation:
         """A validated Generation of `prompts` with the request's sampling fields (shared by
         /v1/completions and /v1/chat/completions)."""
         check_request_id(req.request_id)
@@ -159,6 +166,7 @@ class ServerContext:
                 -(-self.engine.max_model_len // self.engine.block_size)),
             lora=lora,
             cache_salt=req.cache_salt,
+            mm=mm,
         )
         # responses name the adapter that answered (vLLM's), else the base model
         # (the adapters are served under their lora_name, so that is the name req.model gave)

@@ -44,10 +44,13 @@ def check_messages(messages: list[ChatMessage]) -> None:
             continue
         if isinstance(content, list):
             for j, part in enumerate(content):
+                if part.type == "image_url" and part.image_url is not None:
+                    continue  # its URL is checked where it is fetched (launch/multimodal/)
                 if part.type != "text" or not isinstance(part.text, str):
                     raise bad_request(
                         f"{where}.content[{j}]: content part of type {part.type[:40]!r} is not "
-                        "supported (text only, with a `text` string)",
+                        "supported (text with a `text` string, or image_url with an "
+                        "`image_url.url`)",
                         "messages",
                     )
 

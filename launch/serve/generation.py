@@ -41,6 +41,7 @@ from protocol.codec import pack
 from protocol.kv_connector import KVTransferParams, params_to_json
 from protocol.lora import LoRARequest
 from protocol.messages import SamplingParams
+from protocol.multimodal import MMItem
 from protocol.request_options import JobInfo
 
 # An engine refusal and an engine death both arrive as an "error" output with no tokens; the
@@ -104,6 +105,7 @@ class Generation:
         kv_transfer_params: KVTransferParams | None = None,
         lora: LoRARequest | None = None,
         cache_salt: str | None = None,
+        mm: list[MMItem] | None = None,
     ) -> None:
         self.engine = engine
         self.kv_transfer_params = kv_transfer_params  # one prompt, n = 1 (kv_params.py)
@@ -125,7 +127,8 @@ class Generation:
                 self.choices.append(Choice(i, rid, ids, None, StopChecker(stops, include_stop_str)))
         self.n = n
         self.options = RequestOptions(priority=priority, cache_salt=cache_salt, job=self.job,
-                                      kv_transfer_params=kv_transfer_params, lora=lora)
+                                      kv_transfer_params=kv_transfer_params, lora=lora,
+                                      mm=mm or [])
         self._unfinished = len(self.choices)
         self.answered = False  # set once the whole response (or its error) is written
         self._got_token = False

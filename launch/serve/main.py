@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from launch.args import engine_options
+from launch.multimodal.args import multimodal_kwargs
 from launch.serve import require_web_stack
 from launch.serve.args import build_parser
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             master_port=args.master_port or (29500 if args.nnodes > 1 else None),
             load_tokenizer=args.tokenizer is None,
             **engine_options(args),
+            **multimodal_kwargs(args),
         )
         tokenizer = llm.tokenizer
         if args.tokenizer is not None:

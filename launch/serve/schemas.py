@@ -68,9 +68,17 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+class ImageURL(_Open):
+    url: str
+    detail: str | None = None  # OpenAI's; the image processor decides the size here
+
+
 class TextPart(_Open):
+    """A content part: {"type": "text", "text"} or {"type": "image_url", "image_url": {url}}."""
+
     type: str = "text"
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Open):
@@ -104,20 +112,30 @@ class DetokenizeRequest(_Open):
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template sees them: content parts joined into one string.
 
-    Raises ValueError for a non-text part (this server takes text only).
+    A message with image parts keeps its parts, as {"type": "image"} and {"type": "text",
+    "text"} dicts in order: what HF vision chat templates (Qwen2-VL's) turn into the image
+    placeholder ``<|vision_start|><|image_pad|><|vision_end|>``. Raises ValueError for any
+    other kind of part.
     """
     out: list[dict[str, Any]] = []
     for m in messages:
-        content = m.content
+        content: Any = m.content
         if isinstance(content, list):
             texts = []
+            parts: list[dict[str, Any]] = []
             for part in content:
+                if part.type == "image_url" and part.image_url is not None:
+                    parts.append({"type": "image"})
+                    continue
                 if part.type != "text" or part.text is None:
                     raise ValueError(
-                        f"content part of type {part.type!r} is not supported (text only)"
+                        f"content part of type {part.type!r} is not supported (text and "
+                        "image_url only)"
                     )
                 texts.append(part.text)
-            content = "\n".join(texts)
+                parts.append({"type": "text", "text": part.text})
+            has_image = any(p["type"] == "image" for p in parts)
+            content = parts if has_image else "\n".join(texts)
         d: dict[str, Any] = dict(m.model_extra or {})
         d.update(role=m.role, content=content or "")
         out.append(d)
