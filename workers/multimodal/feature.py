@@ -217,5 +217,5 @@ class EncoderFeature(StepHook):
 def len_of_prompt(so: SchedulerOutput, handle: int) -> int:
     for nr in so.new_reqs:
         if nr.handle == handle:
-            return len(nr.prompt_token_ids) // 4  # packed int32
+            return len(unpack_i32(nr.prompt_token_ids, "prompt_token_ids"))
     raise RuntimeError(f"placeholders for handle {handle}, which is not new in this step")

@@ -11,59 +11,21 @@ import pytest
 import torch
 
 from tests.helpers.paged import Seq, build_step
+from tests.helpers.tiny_vl import END, FAMILIES, IMAGE, START, hf_config, make_hf_vl
 from workers.model.config import ModelConfig, dummy_config
 from workers.model.loader import load_model
 from workers.model.mrope import MMStep, mrope_positions
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
-IMAGE, START, END, VIDEO = 150, 151, 152, 153
 PATCH_DIM = 3 * 2 * 14 * 14
 # grids in patches (t, h, w): uneven sides, so Qwen2.5-VL's 2 x 2-unit windows (56 px) get cut
 # short at the edges
 GRIDS = [(1, 4, 8), (1, 6, 6), (1, 10, 4)]
 
 
-def _hf_config(family: str):
-    import transformers
-
-    text = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                 "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2)
-    tokens = dict(image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
-                  video_token_id=VIDEO)
-    if family == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
-                      initializer_range=0.2)
-        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
-    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                  fullatt_block_indexes=[1], window_size=56, initializer_range=0.2)
-    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
-
-
-def _make_hf(path: str, family: str, seed: int = 0):
-    import transformers
-
-    torch.manual_seed(seed)
-    cls = (transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl"
-           else transformers.Qwen2_5_VLForConditionalGeneration)
-    model = cls(_hf_config(family)).eval()
-    # HF starts norms at 1 and biases at 0: randomize them so those paths are exercised
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.copy_((1 if name.endswith("weight") else 0) + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
-    hf = _make_hf(path, request.param)
+    hf = make_hf_vl(path, request.param)
     ours, _ = load_model(path, 0, 1, torch.float32, torch.device("cpu"))
     return request.param, path, hf, ours
 
@@ -150,7 +112,7 @@ def test_prompt_logits_then_decode_match_hf(checkpoint, n_images, backend):
 def test_mrope_positions_match_hf_get_rope_index():
     import transformers
 
-    model = transformers.Qwen2VLModel(_hf_config("qwen2_vl")).eval()
+    model = transformers.Qwen2VLModel(hf_config("qwen2_vl")).eval()
     rng = np.random.default_rng(0)
     for _ in range(40):
         n = int(rng.integers(0, 4))
@@ -178,7 +140,7 @@ def test_mrope_positions_text_only_and_video_frames():
 def test_hub_and_transformers5_layouts_agree(tmp_path):
     """Flat Hub config (LM keys on top, rope_scaling type mrope) == text_config layout."""
     path = str(tmp_path / "m")
-    _make_hf(path, "qwen2_vl")
+    make_hf_vl(path, "qwen2_vl")
     with open(os.path.join(path, "config.json")) as f:
         v5 = json.load(f)
     hub = {k: v for k, v in v5.items() if k != "text_config"} | v5["text_config"]

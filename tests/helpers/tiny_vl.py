@@ -1,0 +1,73 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints saved with save_pretrained (fp32), and
+transformers' greedy references for prompts with images."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+IMAGE, START, END, VIDEO = 150, 151, 152, 153
+
+
+def hf_config(family: str):
+    import transformers
+
+    text = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                 "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2)
+    tokens = dict(image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
+                  video_token_id=VIDEO)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                      initializer_range=0.2)
+        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[1], window_size=56, initializer_range=0.2)
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+
+
+def make_hf_vl(path: str, family: str, seed: int = 0):
+    """A random model of the family saved at ``path``; returns the transformers model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = (transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl"
+           else transformers.Qwen2_5_VLForConditionalGeneration)
+    model = cls(hf_config(family)).eval()
+    # HF starts norms at 1 and biases at 0: randomize them so those paths are exercised
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.copy_((1 if name.endswith("weight") else 0) + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_greedy_with_images(model, ids: list[int], images: list[np.ndarray],
+                          max_new: int) -> list[int]:
+    """transformers' greedy tokens for expanded prompt ids and their images, the pixels from
+    its own (PIL-backend) Qwen2-VL image processor."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    kwargs = {}
+    if images:
+        proc = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+        kwargs = dict(pixel_values=proc["pixel_values"], image_grid_thw=proc["image_grid_thw"])
+    ids_t = torch.tensor([ids])
+    # without mm_token_type_ids transformers gives image tokens 1-D positions
+    types = (ids_t == IMAGE).long()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t),
+                             mm_token_type_ids=types, max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=0, **kwargs)
+    return out[0, len(ids):].tolist()
