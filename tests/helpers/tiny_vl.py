@@ -1,0 +1,73 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints (transformers, saved with save_pretrained in
+fp32), pixel rows and prompts with image placeholders, for the VL model tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+IMAGE, START, END, VIDEO = 150, 151, 152, 153
+PATCH_DIM = 3 * 2 * 14 * 14
+# grids in patches (t, h, w): uneven sides, so Qwen2.5-VL's 2 x 2-unit windows (56 px) get cut
+# short at the edges
+GRIDS = [(1, 4, 8), (1, 6, 6), (1, 10, 4)]
+
+
+def hf_vl_config(family: str):
+    import transformers
+
+    text = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                 "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2)
+    tokens = dict(image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
+                  video_token_id=VIDEO)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                      initializer_range=0.2)
+        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[1], window_size=56, initializer_range=0.2)
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+
+
+def make_tiny_hf_vl(path: str, family: str, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = (transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl"
+           else transformers.Qwen2_5_VLForConditionalGeneration)
+    model = cls(hf_vl_config(family)).eval()
+    # HF starts norms at 1 and biases at 0: randomize them so those paths are exercised
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.copy_((1 if name.endswith("weight") else 0) + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def pixels(grids, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g)
+
+
+def vl_prompt(grids, text_runs) -> tuple[list[int], list[tuple[int, tuple[int, int, int]]]]:
+    """text_runs[i] text tokens, then image i wrapped in vision start/end, ..., then the last
+    run: the ids and the (offset, grid) spans."""
+    ids: list[int] = []
+    spans = []
+    for i, run in enumerate(text_runs):
+        ids += [(7 * i + j) % 140 + 3 for j in range(run)]
+        if i < len(grids):
+            t, h, w = grids[i]
+            ids.append(START)
+            spans.append((len(ids), grids[i]))
+            ids += [IMAGE] * (t * h * w // 4)
+            ids.append(END)
+    return ids, spans
