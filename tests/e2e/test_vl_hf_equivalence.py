@@ -14,7 +14,8 @@ import pytest
 
 from launch import LLM, SamplingParams
 from tests.helpers.procs import wait_no_descendants
-from tests.helpers.tiny_vl import END, FAMILIES, IMAGE, START, hf_greedy_with_images, make_hf_vl
+from tests.helpers.tiny_vl import END, FAMILIES, IMAGE, START, hf_greedy_with_images,
+                                   make_tiny_hf_vl
 
 MAX_NEW = 8
 # sides in pixels, multiples of 28 so the resize keeps them: 4, 12 and 8 image tokens
@@ -62,7 +63,7 @@ def _expanded(ids: list[int], images: list[np.ndarray]) -> list[int]:
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
-    hf = make_hf_vl(path, request.param)
+    hf = make_tiny_hf_vl(path, request.param)
     cases = _cases()
     refs = [hf_greedy_with_images(hf, _expanded(ids, imgs), imgs, MAX_NEW) for ids, imgs in cases]
     assert refs[1] != refs[2], "the random model ignores its images"
@@ -103,7 +104,7 @@ def test_greedy_tokens_with_images_equal_transformers(checkpoint, case: str) -> 
 
 def test_an_image_read_by_eight_requests_runs_the_encoder_once(tmp_path) -> None:
     path = str(tmp_path / "vl")
-    make_hf_vl(path, "qwen2_vl")
+    make_tiny_hf_vl(path, "qwen2_vl")
     img = _images(3)[1]
     prompts = [{"prompt_token_ids": [5 + i, START, IMAGE, END, 30 + i],
                 "multi_modal_data": {"image": img}} for i in range(8)]

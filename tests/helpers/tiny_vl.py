@@ -1,5 +1,5 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints saved with save_pretrained (fp32), and
-transformers' greedy references for prompts with images."""
+"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints (transformers, saved with save_pretrained in
+fp32), pixel rows and prompts with image placeholders, for the VL model tests."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ import torch
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 IMAGE, START, END, VIDEO = 150, 151, 152, 153
+PATCH_DIM = 3 * 2 * 14 * 14
+# grids in patches (t, h, w): uneven sides, so Qwen2.5-VL's 2 x 2-unit windows (56 px) get cut
+# short at the edges
+GRIDS = [(1, 4, 8), (1, 6, 6), (1, 10, 4)]
 
 
-def hf_config(family: str):
+def hf_vl_config(family: str):
     import transformers
 
     text = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -30,14 +34,13 @@ def hf_config(family: str):
     return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
 
 
-def make_hf_vl(path: str, family: str, seed: int = 0):
-    """A random model of the family saved at ``path``; returns the transformers model."""
+def make_tiny_hf_vl(path: str, family: str, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
     cls = (transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl"
            else transformers.Qwen2_5_VLForConditionalGeneration)
-    model = cls(hf_config(family)).eval()
+    model = cls(hf_vl_config(family)).eval()
     # HF starts norms at 1 and biases at 0: randomize them so those paths are exercised
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -48,6 +51,27 @@ def make_hf_vl(path: str, family: str, seed: int = 0):
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def pixels(grids, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g)
+
+
+def vl_prompt(grids, text_runs) -> tuple[list[int], list[tuple[int, tuple[int, int, int]]]]:
+    """text_runs[i] text tokens, then image i wrapped in vision start/end, ..., then the last
+    run: the ids and the (offset, grid) spans."""
+    ids: list[int] = []
+    spans = []
+    for i, run in enumerate(text_runs):
+        ids += [(7 * i + j) % 140 + 3 for j in range(run)]
+        if i < len(grids):
+            t, h, w = grids[i]
+            ids.append(START)
+            spans.append((len(ids), grids[i]))
+            ids += [IMAGE] * (t * h * w // 4)
+            ids.append(END)
+    return ids, spans
 
 
 def hf_greedy_with_images(model, ids: list[int], images: list[np.ndarray],

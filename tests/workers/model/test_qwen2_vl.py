@@ -11,67 +11,49 @@ import pytest
 import torch
 
 from tests.helpers.paged import Seq, build_step
-from tests.helpers.tiny_vl import END, FAMILIES, IMAGE, START, hf_config, make_hf_vl
+from tests.helpers.tiny_vl import (
+    FAMILIES,
+    GRIDS,
+    IMAGE,
+    hf_vl_config,
+    make_tiny_hf_vl,
+    pixels,
+    vl_prompt,
+)
 from workers.model.config import ModelConfig, dummy_config
 from workers.model.loader import load_model
 from workers.model.mrope import MMStep, mrope_positions
-
-PATCH_DIM = 3 * 2 * 14 * 14
-# grids in patches (t, h, w): uneven sides, so Qwen2.5-VL's 2 x 2-unit windows (56 px) get cut
-# short at the edges
-GRIDS = [(1, 4, 8), (1, 6, 6), (1, 10, 4)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
-    hf = make_hf_vl(path, request.param)
+    hf = make_tiny_hf_vl(path, request.param)
     ours, _ = load_model(path, 0, 1, torch.float32, torch.device("cpu"))
     return request.param, path, hf, ours
-
-
-def _pixels(grids, seed=1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g)
 
 
 @pytest.mark.parametrize("n_images", [1, 2, 3])
 def test_encode_images_matches_hf(checkpoint, n_images):
     _, _, hf, ours = checkpoint
     grids = GRIDS[:n_images]
-    pixels = _pixels(grids)
+    pix = pixels(grids)
     with torch.no_grad():
-        ref = hf.model.get_image_features(pixels, torch.tensor(grids)).pooler_output
-    got = ours.encode_images(pixels, grids)
+        ref = hf.model.get_image_features(pix, torch.tensor(grids)).pooler_output
+    got = ours.encode_images(pix, grids)
     assert len(got) == n_images
     for g, r, (t, h, w) in zip(got, ref, grids, strict=True):
         assert g.shape == (t * h * w // 4, 64)
         assert (g - r).abs().max().item() < 1e-4
 
 
-def _prompt(grids, text_runs) -> tuple[list[int], list[tuple[int, tuple[int, int, int]]]]:
-    """text_runs[i] text tokens, then image i wrapped in vision start/end, ..., then the last
-    run: the ids and the (offset, grid) spans."""
-    ids: list[int] = []
-    spans = []
-    for i, run in enumerate(text_runs):
-        ids += [(7 * i + j) % 140 + 3 for j in range(run)]
-        if i < len(grids):
-            t, h, w = grids[i]
-            ids.append(START)
-            spans.append((len(ids), grids[i]))
-            ids += [IMAGE] * (t * h * w // 4)
-            ids.append(END)
-    return ids, spans
-
-
-def _hf_logits(hf, ids, spans, pixels):
+def _hf_logits(hf, ids, spans, pix):
     grids = [g for _, g in spans]
     types = torch.zeros(1, len(ids), dtype=torch.int64)
     types[0, torch.tensor(ids) == IMAGE] = 1
     kwargs = {}
     if grids:
-        kwargs = dict(pixel_values=pixels, image_grid_thw=torch.tensor(grids))
+        kwargs = dict(pixel_values=pix, image_grid_thw=torch.tensor(grids))
     with torch.no_grad():
         return hf(input_ids=torch.tensor([ids]), mm_token_type_ids=types, **kwargs).logits[0]
 
@@ -83,21 +65,21 @@ def test_prompt_logits_then_decode_match_hf(checkpoint, n_images, backend):
     _, _, hf, ours = checkpoint
     ours.set_attention_backend(backend)
     grids = GRIDS[:n_images]
-    ids, spans = _prompt(grids, [5, 3, 4][: n_images + 1])
-    pixels = _pixels(grids)
+    ids, spans = vl_prompt(grids, [5, 3, 4][: n_images + 1])
+    pix = pixels(grids)
     bs = 16
     ours.allocate_kv_cache(16, bs)
     seq = Seq(list(ids), list(range(1, 1 + -(-(len(ids) + 1) // bs))))
     pos3, delta = mrope_positions(len(ids), spans)
     index = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE], dtype=torch.int64)
-    embeds = torch.cat(ours.encode_images(pixels, grids)) if grids else torch.zeros(0, 64)
+    embeds = torch.cat(ours.encode_images(pix, grids)) if grids else torch.zeros(0, 64)
     step_ids, step_pos, meta = build_step([seq], [len(ids)], bs)
     ours.mm_step = MMStep(embeds, index, torch.from_numpy(pos3))
     try:
         got = ours.compute_logits(ours(step_ids, step_pos, meta))
     finally:
         ours.mm_step = None
-    ref = _hf_logits(hf, ids, spans, pixels)
+    ref = _hf_logits(hf, ids, spans, pix)
     assert (got - ref).abs().max().item() < 1e-4
     # a decode step after the prompt: plain LM, 1-D position p + delta
     seq.num_computed = len(ids)
@@ -105,19 +87,19 @@ def test_prompt_logits_then_decode_match_hf(checkpoint, n_images, backend):
     seq.tokens.append(nxt)
     step_ids, step_pos, meta = build_step([seq], [1], bs)
     got = ours.compute_logits(ours(step_ids, step_pos + delta, meta))
-    ref = _hf_logits(hf, ids + [nxt], spans, pixels)
+    ref = _hf_logits(hf, ids + [nxt], spans, pix)
     assert (got[-1] - ref[-1]).abs().max().item() < 1e-4
 
 
 def test_mrope_positions_match_hf_get_rope_index():
     import transformers
 
-    model = transformers.Qwen2VLModel(hf_config("qwen2_vl")).eval()
+    model = transformers.Qwen2VLModel(hf_vl_config("qwen2_vl")).eval()
     rng = np.random.default_rng(0)
     for _ in range(40):
         n = int(rng.integers(0, 4))
         grids = [(1, 2 * int(rng.integers(1, 5)), 2 * int(rng.integers(1, 5))) for _ in range(n)]
-        ids, spans = _prompt(grids, [int(rng.integers(0, 5)) for _ in range(n + 1)])
+        ids, spans = vl_prompt(grids, [int(rng.integers(0, 5)) for _ in range(n + 1)])
         if not ids:
             continue
         got, delta = mrope_positions(len(ids), spans)
@@ -140,7 +122,7 @@ def test_mrope_positions_text_only_and_video_frames():
 def test_hub_and_transformers5_layouts_agree(tmp_path):
     """Flat Hub config (LM keys on top, rope_scaling type mrope) == text_config layout."""
     path = str(tmp_path / "m")
-    make_hf_vl(path, "qwen2_vl")
+    make_tiny_hf_vl(path, "qwen2_vl")
     with open(os.path.join(path, "config.json")) as f:
         v5 = json.load(f)
     hub = {k: v for k, v in v5.items() if k != "text_config"} | v5["text_config"]
@@ -183,7 +165,7 @@ def test_tiny_presets_run_and_profile(preset):
 
     model, cfg = load_model(f"dummy:{preset}", 0, 1, torch.float32, torch.device("cpu"))
     assert cfg.vision is not None
-    out = model.encode_images(_pixels(GRIDS[:2]), GRIDS[:2])
+    out = model.encode_images(pixels(GRIDS[:2]), GRIDS[:2])
     assert [o.shape[0] for o in out] == [8, 9] and all(torch.isfinite(o).all() for o in out)
     profile_forward(model, 40, 32, 4, 16, torch.device("cpu"))
 
@@ -195,3 +177,28 @@ def test_real_shape_presets():
         1280, 5120, 1536)
     assert b.vision.fullatt_block_indexes == [7, 15, 23, 31] and b.vision.window_size == 112
     assert a.mrope_section == b.mrope_section == [16, 24, 24]
+
+
+@pytest.mark.slow
+def test_tp2_matches_hf(checkpoint, tmp_path):
+    """Two gloo ranks: the tower split by heads (2 heads / 2 ranks), every rank's images and
+    logits equal to transformers'."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.multiproc import HERE, run_ranks
+
+    _, path, hf, _ = checkpoint
+    out = str(tmp_path / "out")
+    run_ranks(os.path.join(HERE, "vl_tp_run.py"), [path, out], 2, timeout_s=120)
+    grids = GRIDS[:2]
+    pix = pixels(grids)
+    with torch.no_grad():
+        ref_images = hf.model.get_image_features(pix, torch.tensor(grids)).pooler_output
+    ids, spans = vl_prompt(grids, [5, 3, 4])
+    ref_logits = _hf_logits(hf, ids, spans, pix)
+    ranks = [load_file(os.path.join(out, f"rank{r}.safetensors")) for r in range(2)]
+    for got in ranks:
+        for i, ref in enumerate(ref_images):
+            assert (got[f"image.{i}"] - ref).abs().max().item() < 1e-4
+        assert (got["logits"] - ref_logits).abs().max().item() < 1e-4
+    assert torch.equal(ranks[0]["image.0"], ranks[1]["image.0"])
