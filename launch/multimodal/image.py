@@ -22,14 +22,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from launch.multimodal.errors import ImageError
+from launch.multimodal.options import DEFAULT_MAX_IMAGE_PIXELS
+
 __all__ = ["DEFAULT_MAX_IMAGE_PIXELS", "ImageError", "check_size", "decode_image", "to_rgb"]
 
-# PIL's own warning threshold (about 89.5 megapixels; it refuses at twice this)
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
-
-
-class ImageError(ValueError):
-    """An image that cannot be used, with a reason a client may read."""
 
 
 def check_size(width: int, height: int, max_pixels: int) -> None:

@@ -24,7 +24,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from launch.multimodal.image import ImageError
+from launch.multimodal.errors import ImageError
 from launch.multimodal.options import MultiModalOptions
 
 __all__ = ["fetch_image_url", "load_image_url", "parse_data_url", "read_local_file",

@@ -13,12 +13,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from launch.multimodal.image import DEFAULT_MAX_IMAGE_PIXELS
-
-__all__ = ["MM_OPTION_NAMES", "MultiModalOptions", "parse_json_dict", "parse_limit_mm"]
+__all__ = ["DEFAULT_MAX_IMAGE_PIXELS", "MM_OPTION_NAMES", "MultiModalOptions", "parse_json_dict",
+           "parse_limit_mm"]
 
 DEFAULT_LIMIT_PER_PROMPT = 999  # vLLM v1's default per modality
 DEFAULT_MEDIA_MAX_BYTES = 20 * 2**20
+# PIL's own warning threshold (about 89.5 megapixels; it refuses at twice this)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 MODALITIES = frozenset({"image"})
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from launch.multimodal.image import ImageError
+from launch.multimodal.errors import ImageError
 from launch.multimodal.media import fetch_image_url
 from launch.serve.context import ServerContext
 from launch.serve.errors import bad_request
