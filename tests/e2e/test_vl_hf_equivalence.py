@@ -14,8 +14,14 @@ import pytest
 
 from launch import LLM, SamplingParams
 from tests.helpers.procs import wait_no_descendants
-from tests.helpers.tiny_vl import END, FAMILIES, IMAGE, START, hf_greedy_with_images,
-                                   make_tiny_hf_vl
+from tests.helpers.tiny_vl import (
+    END,
+    FAMILIES,
+    IMAGE,
+    START,
+    hf_greedy_with_images,
+    make_tiny_hf_vl,
+)
 
 MAX_NEW = 8
 # sides in pixels, multiples of 28 so the resize keeps them: 4, 12 and 8 image tokens
