@@ -95,3 +95,43 @@ def hf_greedy_with_images(model, ids: list[int], images: list[np.ndarray],
                              mm_token_type_ids=types, max_new_tokens=max_new, do_sample=False,
                              pad_token_id=0, **kwargs)
     return out[0, len(ids):].tolist()
+
+
+# a minimal Qwen2-VL-like chat template: an image part is the placeholder, a text part its text
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VL_WORDS = ["user", "assistant", "system", "describe", "the", "image", "what", "is", "this",
+            "a", "picture", "of", "and", "in", "color", "red", "blue", "green", "cat", "dog"]
+
+
+def add_tiny_vl_tokenizer(path: str) -> str:
+    """A WordLevel tokenizer (whitespace pre-tokenizer) over the tiny VL model's 200 ids, saved
+    in ``path`` as tokenizer.json + tokenizer_config.json: <unk> 0, <s> 1, </s> 2 (the model's
+    eos), <|im_start|> 3, <|im_end|> 4, the VL_WORDS, filler words ``w<id>``, and the vision
+    tokens at IMAGE / START / END / VIDEO (special). Unknown words are <unk>."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "<|im_start|>", 4: "<|im_end|>",
+                IMAGE: "<|image_pad|>", START: "<|vision_start|>", END: "<|vision_end|>",
+                VIDEO: "<|video_pad|>"}
+    words = iter(VL_WORDS)
+    vocab = {}
+    for i in range(200):
+        vocab[specials.get(i) or next(words, None) or f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(specials[i], special=True, normalized=False)
+                            for i in sorted(specials)])
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"bos_token": None, "eos_token": "</s>", "unk_token": "<unk>",
+                   "add_bos_token": False, "chat_template": VL_CHAT_TEMPLATE}, f)
+    return path
