@@ -42,6 +42,7 @@ class EncoderScheduling:
         self.num_encoder_runs = 0
         self.num_encoded_embeddings = 0
         self.encoder_seconds = 0.0  # rank 0's time in the encoder
+        self.encoder_input_bytes = 0  # pixel bytes sent to the ranks in the step diffs
 
     def refuse(self, req: Request) -> str | None:
         """An image that could never be scheduled would stall its request forever."""
@@ -70,7 +71,7 @@ class EncoderScheduling:
         this step, and the images the chunk needs."""
         cache = self.cache
         left = self.left
-        room = 0  # embeddings this plan adds to the cache
+        room = 0  # embeddings this plan adds to the cache or keeps from eviction
         needed: list[int] = _NONE
         planned: set[str] = set()
         end = computed + n
@@ -83,8 +84,18 @@ class EncoderScheduling:
             if needed is _NONE:
                 needed = []
             h = ph.mm_hash
-            if h in cache or h in planned:
-                needed.append(i)  # cached, or encoded for this chunk already
+            if h in planned:
+                needed.append(i)  # encoded for this chunk already
+                continue
+            if h in cache:
+                # an unreferenced entry this chunk reads can no longer be evicted for room
+                pinned = cache.freeable.get(h, 0)
+                if pinned and not cache.can_fit(room + pinned):
+                    n = max(0, ph.offset - computed)
+                    break
+                room += pinned
+                planned.add(h)
+                needed.append(i)
                 continue
             if ph.length > left or not cache.can_fit(room + ph.length):
                 # stop before the image; a chunk that starts inside it waits whole
@@ -103,20 +114,25 @@ class EncoderScheduling:
         cache = self.cache
         rid = req.request_id
         reading = self.reading.setdefault(rid, [])
+        # reads first: an entry this chunk reads must be pinned before a new entry's
+        # allocation could evict it (plan() counted it out of the evictable room)
         for i in needed:
-            ph = req.mm_items[i].placeholder
+            h = req.mm_items[i].placeholder.mm_hash
+            if h in cache and not cache.has_ref(rid, h):  # read, not encoded again: a hit
+                cache.add_ref(rid, h)
+                cache.hits += 1
+        for i in needed:
+            item = req.mm_items[i]
+            ph = item.placeholder
             h = ph.mm_hash
-            if h in cache:
-                if not cache.has_ref(rid, h):  # read, not encoded again: a hit
-                    cache.add_ref(rid, h)
-                    cache.hits += 1
-            else:
+            if h not in cache:
                 cache.allocate(rid, h, ph.length)
                 cache.misses += 1
                 self.left -= ph.length
-                self.scheduled[h] = EncoderInput(h, ph.grid_thw, req.mm_items[i].pixels)
+                self.scheduled[h] = EncoderInput(h, ph.grid_thw, item.pixels)
                 self.num_encoder_runs += 1
                 self.num_encoded_embeddings += ph.length
+                self.encoder_input_bytes += len(item.pixels)
             if i not in reading:
                 reading.append(i)
 
@@ -181,6 +197,7 @@ class EncoderScheduling:
             "encoder_runs": float(self.num_encoder_runs),
             "encoder_embeddings": float(self.num_encoded_embeddings),
             "encoder_seconds": self.encoder_seconds,
+            "encoder_input_bytes": float(self.encoder_input_bytes),
         }
 
     def check(self, running: list[Request]) -> None:

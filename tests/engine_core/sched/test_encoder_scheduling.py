@@ -234,3 +234,50 @@ def test_the_encoder_budget_holds_in_the_scheduler_trace(tmp_path) -> None:
     used = [s["encoder"]["embeddings"] for s in steps]
     assert max(used) <= 24 and sum(used) == 4 * 32
     assert all(s["encoder"]["cache_used"] <= s["encoder"]["cache_capacity"] for s in steps)
+
+
+def test_reading_a_cached_image_keeps_it_out_of_the_room_for_a_new_one() -> None:
+    """The cache holds only image A (unreferenced); a chunk that reads A and needs a new image
+    B must not count A's space as evictable for B."""
+    sched = scheduler(budget=64, cache=24)
+    w = worker(sched)
+    sched.add_request(request("first", [1, 2], [("A", 20)], [3]))
+    run_to_completion(sched, w)
+    sched.add_request(request("both", [4, 5], [("A", 20), ("B", 20)], [6]))
+    outs = run_to_completion(sched, w)
+    assert outs["both"][-1].finish_reason == "length"
+
+
+def test_a_new_image_before_a_cached_one_never_evicts_the_cached_one() -> None:
+    sched = scheduler(budget=64, cache=44)
+    w = worker(sched)
+    sched.add_request(request("first", [1, 2], [("A", 20)], [3]))
+    run_to_completion(sched, w)
+    sched.add_request(request("both", [4, 5], [("B", 20), ("A", 20)], [6]))
+    outs = run_to_completion(sched, w)
+    assert outs["both"][-1].finish_reason == "length"
+    assert w.encoded.count(image("A", 0, 20).placeholder.mm_hash) == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_images_budgets_and_pressure_finish_with_a_consistent_cache(seed: int) -> None:
+    """Random image pools, encoder budgets, cache sizes, KV pressure and async scheduling:
+    every request finishes, the cache account never overflows, and the fake rank never
+    computes an image it does not hold."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = {f"i{k}": rng.choice([4, 8, 12, 20]) for k in range(6)}
+    asy = rng.random() < 0.5
+    sched = scheduler(budget=rng.choice([8, 16, 32, 64]),
+                      cache=max(sizes.values()) + rng.choice([0, 4, 16, 40]),
+                      enc_budget=rng.choice([20, 24, 48]), num_blocks=rng.choice([12, 20, 64]),
+                      async_scheduling=asy)
+    w = worker(sched)
+    n = rng.randint(2, 8)
+    for r in range(n):
+        imgs = [(name, sizes[name]) for name in rng.choices(list(sizes), k=rng.randint(1, 4))]
+        sched.add_request(request(f"r{r}", [30 + r] * rng.randint(1, 6), imgs, [9],
+                                  max_tokens=rng.randint(1, 6)))
+    outs = (run_async_to_completion if asy else run_to_completion)(sched, w)
+    assert len(outs) == n
