@@ -48,6 +48,8 @@ BOUNDED = {
     "lora.slots": "max_loras",
     # sockets to prefill engines that clients' kv_transfer_params named (P/D)
     "kv_connector.peers": "MAX_PEERS (64), each closed after PEER_IDLE_S without a lease",
+    # images: encoder outputs kept for reuse, at most --encoder-cache-size embeddings
+    "encoder.entries": "--encoder-cache-size embeddings (at least one per entry)",
 }
 
 
@@ -91,6 +93,10 @@ def core_census(core: CoreState) -> dict[str, int]:
     if slots is not None:
         out["lora.slots"] = len(slots.slot_of)
         out["lora.slot_pins"] = len(slots.pins)
+    enc = sched.encoder
+    if enc is not None:
+        out["encoder.entries"] = len(enc.cache.sizes)
+        out["encoder.readers"] = len(enc.reading)  # requests reading cached outputs
     conn = sched.kv_connector
     if conn is not None:
         out["kv_connector.loads"] = len(conn.loads)

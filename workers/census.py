@@ -24,6 +24,8 @@ BOUNDED = {
     "kv_offload.disk_reads": "the host tier's slots",
     # a decode rank's connections to the prefill ranks clients' kv_transfer_params named
     "kv_connector.peers": "the puller's MAX_PEERS (64), least recently used closed first",
+    # encoder outputs: exactly the engine core's account (encoder.entries), dropped as it says
+    "encoder.outputs": "--encoder-cache-size embeddings, as the engine core decides",
 }
 
 
