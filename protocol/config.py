@@ -26,8 +26,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """All engine options; the launcher flags and LLM(...) keyword arguments map 1:1 onto these."""
 
     model: str = "dummy:tiny"
-    # auto | float32 | bfloat16 | float16; auto: the checkpoint's dtype on CUDA, float32 on CPU
-    # (protocol/devices.resolve_dtype)
+    # auto | float32 | bfloat16 | float16; auto: the checkpoint's dtype on CUDA; on CPU float32,
+    # or bfloat16 for a bf16 checkpoint where the CPU has native bf16 and measures it faster
+    # (protocol/devices.resolve_dtype, workers/cpu_dtype.py)
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     block_size: int = 16

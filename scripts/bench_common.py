@@ -255,8 +255,21 @@ def print_breakdown(summary: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- output
 
 
+def machine_info() -> dict[str, Any]:
+    """The CPU this ran on: its model, core count and the flags that decide kernels and
+    `--dtype auto` (AVX-512, native bf16, AMX)."""
+    from workers.cpu_dtype import cpu_model_and_flags
+
+    model, flags = cpu_model_and_flags()
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+            "cpu_flags": [f for f in wanted if f in flags]}
+
+
 def emit_json(obj: dict[str, Any]) -> None:
-    """The one JSON object, last on stdout (NaN becomes null so any parser reads it)."""
+    """The one JSON object, last on stdout (NaN becomes null so any parser reads it), with the
+    machine's CPU model and flags."""
+    obj = {**obj, **machine_info()}
     clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
     sys.stdout.flush()
     print(json.dumps(clean), flush=True)

@@ -17,6 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `--dtype auto` on a CPU with native bf16 may pick bfloat16 (workers/cpu_dtype.py); the
+# suite's references are float32, so it pins auto to float32 (tests of the choice itself
+# clear this)
+os.environ.setdefault("TANDEM_CPU_AUTO_DTYPE", "float32")
+
 
 @pytest.fixture(scope="session")
 def lora_world(tmp_path_factory):

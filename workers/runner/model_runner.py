@@ -56,8 +56,19 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def resolve_model_dtype(config: EngineConfig, device: torch.device,
-                        model_config: ModelConfig) -> str:
+                        model_config: ModelConfig, rank: int = 0) -> str:
     """The dtype name this rank runs the model in (config.dtype with "auto" resolved)."""
+    if device.type == "cpu" and config.dtype == "auto":
+        from workers.cpu_dtype import choose_cpu_dtype
+        from workers.parallel.distributed import tp_all_reduce_min
+
+        dtype, why = choose_cpu_dtype(model_config.torch_dtype, model_config.hidden_size)
+        # every rank runs what the slowest rank measured (a probe may differ near its margin)
+        if tp_all_reduce_min([int(dtype == "bfloat16")], device)[0] == 0 and dtype != "float32":
+            dtype, why = "float32", "another rank measured bf16 slower"
+        if rank == 0:
+            logger.info("--dtype auto on CPU: %s (%s)", dtype, why)
+        return dtype
     bf16 = True
     if device.type == "cuda" and config.dtype == "auto":
         bf16 = torch.cuda.get_device_capability(device)[0] >= 8
@@ -116,7 +127,8 @@ class ModelRunner:
         from workers.model.loader import load_model, load_model_config
 
         self.dtype = torch_dtype(resolve_model_dtype(self.config, self.device,
-                                                     load_model_config(self.config.model)))
+                                                     load_model_config(self.config.model),
+                                                     self.dist.rank))
         if self.device.type == "cuda":
             # float32 stays exact unless the user traded precision for TF32's speed
             torch.backends.cuda.matmul.allow_tf32 = self.config.allow_tf32
