@@ -88,9 +88,10 @@ def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None,
 
     "auto" on CPU is float32 here; a rank refines it (workers/cpu_dtype.py: bfloat16 for a
     bf16 checkpoint on a CPU with native bf16 that measures it faster). On CUDA it is the
-    checkpoint's own dtype (config.json's torch_dtype / dtype), bfloat16 where the checkpoint names none (GGUF: its weights are quantized, and bf16 is
-    what the Triton kernels and tensor cores are built for); a bfloat16 checkpoint on a GPU
-    older than compute capability 8.0 runs in float16, since the user did not ask for bf16.
+    checkpoint's own dtype (config.json's torch_dtype / dtype), bfloat16 where the checkpoint
+    names none (GGUF: its weights are quantized, and bf16 is what the Triton kernels and tensor
+    cores are built for); a bfloat16 checkpoint on a GPU older than compute capability 8.0 runs
+    in float16, since the user did not ask for bf16.
     """
     if requested != "auto":
         return requested
