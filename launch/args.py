@@ -158,6 +158,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str = "smollm2") 
                    help='disaggregated prefill/decode, vLLM\'s JSON: {"kv_role": "kv_both"} '
                    '(+ "kv_connector": auto|nixl|tcp|shm, "kv_load_failure_policy": '
                    'recompute|fail, "kv_ip", "kv_port", "kv_lease_s", ...; see README)')
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=None, metavar="N",
+                   help="images: embeddings the vision encoder may compute in one step "
+                   "(default: --max-num-batched-tokens)")
+    g.add_argument("--encoder-cache-size", type=int, default=None, metavar="N",
+                   help="images: encoder outputs the engine keeps for reuse, in embeddings "
+                   "(default: --max-num-encoder-input-tokens)")
     g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
                    help='KV cache events for a router, vLLM\'s JSON: {"enable_kv_cache_events": '
                    'true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"} (+ '

@@ -141,6 +141,10 @@ def config_error(config: EngineConfig) -> str | None:
                 "expected auto, torch, cpu or triton")
     if config.load_format not in ("auto", "dummy"):
         return f"unknown load_format {config.load_format!r}; expected auto or dummy"
+    for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            return f"{name} must be >= 1, got {value}"
     if not 0.0 < config.gpu_memory_utilization <= 1.0:
         return f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
     if config.kv_cache_memory is not None and config.kv_cache_memory <= 0:
