@@ -36,6 +36,11 @@ _MOE = ("experts", "block_sparse_moe", "w1", "w2", "w3", "gate", "router", "shar
 MAX_PATTERN_KEYS = 1024
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 _MODULE_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)")
+# transformers 5 (and 4.52+) names a vision-language model's decoder model.language_model.*
+# (Qwen2-VL / Qwen2.5-VL), so a PEFT adapter on its language model saves those names; they are
+# the decoder layers this engine adapts (model.layers.*), the vision tower (model.visual.*) is
+# never adapted and a tensor for it is refused
+_LM_PREFIX = "model.language_model.layers."
 _SUPPORTED = ", ".join(PROJECTIONS)
 
 # Fields that change what the adapter computes and that this engine does not implement: refused
@@ -124,14 +129,15 @@ class ModuleSpec:
     scaling: float
     in_features: int
     out_features: int
+    source: str = ""  # the module's name in the file when it is not ``module``
 
     @property
     def a_name(self) -> str:
-        return f"base_model.model.{self.module}.lora_A.weight"
+        return f"base_model.model.{self.source or self.module}.lora_A.weight"
 
     @property
     def b_name(self) -> str:
-        return f"base_model.model.{self.module}.lora_B.weight"
+        return f"base_model.model.{self.source or self.module}.lora_B.weight"
 
 
 @dataclass(frozen=True)
@@ -352,7 +358,13 @@ def _modules(header: dict[str, TensorInfo], config: PeftLoRAConfig) -> dict[str,
     if not pairs:
         raise LoRAAdapterError(f"{WEIGHTS_NAME} holds no LoRA weights")
     out: dict[str, ModuleSpec] = {}
-    for module, ab in sorted(pairs.items()):
+    for source, ab in sorted(pairs.items()):
+        # PEFT's own name (what target_modules and rank / alpha patterns match) and this
+        # engine's (model.layers.*)
+        module = _canonical(source)
+        if module in out:
+            raise LoRAAdapterError(f"{WEIGHTS_NAME}: {module} is adapted twice (as "
+                                   f"{out[module].source or module} and {source})")
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise LoRAAdapterError(f"{WEIGHTS_NAME}: {module} has no {missing}.weight")
@@ -360,19 +372,26 @@ def _modules(header: dict[str, TensorInfo], config: PeftLoRAConfig) -> dict[str,
         if r != r_b:
             raise LoRAAdapterError(f"{WEIGHTS_NAME}: {module} has lora_A of rank {r} but "
                                    f"lora_B of rank {r_b}")
-        want = config.rank_of(module)
+        want = config.rank_of(source)
         if r != want:
             raise LoRAAdapterError(f"{WEIGHTS_NAME}: {module} has rank {r} but {CONFIG_NAME} "
                                    f"(r / rank_pattern) says {want}")
-        if not _targeted(config.target_modules, module):
-            raise LoRAAdapterError(f"{WEIGHTS_NAME} adapts {module}, which target_modules "
+        if not _targeted(config.target_modules, source):
+            raise LoRAAdapterError(f"{WEIGHTS_NAME} adapts {source}, which target_modules "
                                    f"({config.target_modules!r}) does not name")
         m = _MODULE_RE.fullmatch(module)
         assert m is not None  # _classify checked it
         out[module] = ModuleSpec(module=module, layer=int(m.group(1)), projection=m.group(3),
-                                 rank=r, scaling=config.scaling_of(module), in_features=n_in,
-                                 out_features=n_out)
+                                 rank=r, scaling=config.scaling_of(source), in_features=n_in,
+                                 out_features=n_out, source="" if source == module else source)
     return out
+
+
+def _canonical(module: str) -> str:
+    """A decoder projection's name as this engine's model names it (model.layers.*)."""
+    if module.startswith(_LM_PREFIX):
+        return "model.layers." + module[len(_LM_PREFIX):]
+    return module
 
 
 def _targeted(targets: tuple[str, ...] | str | None, module: str) -> bool:
@@ -406,7 +425,7 @@ def _classify(name: str) -> tuple[str, str]:
                                "supported")
     if any(p in ("experts", "block_sparse_moe", "shared_expert") for p in parts):
         raise LoRAAdapterError(f"{where}: LoRA on mixture-of-experts experts is not supported")
-    mm = _MODULE_RE.fullmatch(module)
+    mm = _MODULE_RE.fullmatch(_canonical(module))
     if mm is None or PROJECTIONS.get(mm.group(3)) != mm.group(2):
         raise LoRAAdapterError(f"{where}: the model has no module {module} (LoRA applies to "
                                f"{_SUPPORTED} of model.layers.<i>)")

@@ -141,3 +141,29 @@ def test_content_hash_is_sha256_of_config_then_weights(tmp_path):
         weights = f.read()
     digest = hashlib.sha256(config + weights).hexdigest()
     assert content_hash(path) == content_hash_of(config, weights) == digest
+
+
+def test_a_vl_models_language_model_names_are_its_decoder_layers(tmp_path) -> None:
+    """transformers 5 names a Qwen2-VL's decoder model.language_model.layers.*: PEFT's adapter
+    on it adapts this engine's model.layers.*, its tensors found under the file's names and its
+    rank / alpha patterns matched against them; the same projection under both names, and the
+    vision tower, are refused."""
+    lm = "base_model.model.model.language_model.layers"
+    tensors = {f"{lm}.{i}.self_attn.q_proj.lora_{ab}.weight": torch.zeros(*shape)
+               for i in range(2) for ab, shape in (("A", (8, 64)), ("B", (64, 8)))}
+    path = write(tmp_path / "vl", dict(alpha_pattern={"language_model.layers.1.self_attn.q_proj":
+                                                      4}), tensors)
+    spec = check_adapter(path, 16, MODEL)
+    assert sorted(spec.modules) == ["model.layers.0.self_attn.q_proj",
+                                    "model.layers.1.self_attn.q_proj"]
+    m0, m1 = (spec.modules[f"model.layers.{i}.self_attn.q_proj"] for i in range(2))
+    assert {m0.a_name, m0.b_name, m1.a_name, m1.b_name} == set(tensors)
+    assert (m0.scaling, m1.scaling) == (2.0, 0.5)
+    both = write(tmp_path / "both", None, tensors | qproj())
+    with pytest.raises(LoRAAdapterError, match="adapted twice"):
+        check_adapter(both, 16, MODEL)
+    vision = write(tmp_path / "vision", dict(target_modules=".*"), qproj() | {
+        "base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight": torch.zeros(8, 32),
+        "base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_B.weight": torch.zeros(48, 8)})
+    with pytest.raises(LoRAAdapterError, match=r"model\.visual\.blocks\.0\.mlp\.gate_proj"):
+        check_adapter(vision, 16, MODEL)
