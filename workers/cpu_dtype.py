@@ -23,7 +23,8 @@ MIN_SPEEDUP = 1.2  # a margin, so noise near a tie never flips the choice
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
     """The CPU's model name and flags (/proc/cpuinfo; empty where there is none)."""
-    model, flags = "", []
+    model = ""
+    flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
