@@ -651,12 +651,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"error": msg, "skipped": skipped}))
         return 2
 
-    # SIGTERM/SIGHUP as KeyboardInterrupt, so the finally below stops the servers.
+    # Signals as KeyboardInterrupt, so the finally blocks below stop the servers.
     def _interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then leaves it so.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
 
     records: list[dict[str, Any]] = []
     live: list[Server] = []
@@ -680,11 +681,11 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     server.stop()
                     live.remove(server)
-    except KeyboardInterrupt:
-        log("interrupted: stopping the servers")
-        raise
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e or 'Ctrl-C'}): servers stopped")
+        return 130
     finally:
-        for server in live:
+        for server in list(live):
             server.stop()
 
     summary = {
