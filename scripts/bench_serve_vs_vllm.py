@@ -421,9 +421,30 @@ def vllm_server(args: argparse.Namespace, model: str, logdir: str) -> Server:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))  # GiB, like Tandem's
+    env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_omp_bind(args)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return Server("vllm", argv, args.vllm_port, env, os.path.join(logdir, "vllm.log"))
+
+
+def vllm_omp_bind(args: argparse.Namespace) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: --vllm-omp-bind, else the environment's, else "auto" at TP=1
+    (vLLM binds the rank to all CPUs but one, kept for its frontend and engine core). At TP>1
+    "auto" wants a NUMA node per rank and refuses a one-node machine, so the allowed CPUs are
+    split into TP contiguous groups, one per rank ("0|1" on two CPUs)."""
+    if args.vllm_omp_bind:
+        return str(args.vllm_omp_bind)
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    if args.tp == 1:
+        return "auto"
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} CPUs for vLLM's ranks; "
+                         f"{len(cpus)} allowed")
+    per = len(cpus) // args.tp
+    groups = [cpus[r * per:(r + 1) * per] for r in range(args.tp)]
+    return "|".join(",".join(map(str, g)) for g in groups)
 
 
 # -------------------------------------------------------------------------------------- bench
@@ -618,6 +639,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "seqs=64)")
     p.add_argument("--vllm-arg", action="append", default=[],
                    help="extra flag for vllm serve (repeat)")
+    p.add_argument("--vllm-omp-bind", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND for vllm serve (default: auto at TP=1, the "
+                   "CPUs split in TP groups, e.g. 0|1, at TP>1)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--bench-timeout", type=float, default=1800.0)
     p.add_argument("--out-dir", default=None,
@@ -693,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len, "output_len": args.output_len,
         "num_prompts": args.num_prompts, "concurrency": args.concurrency, "runs": args.runs,
         "kv_cache_gib": args.kv_cache_gib, "out_dir": out_dir, "skipped": skipped,
+        "vllm_omp_threads_bind": vllm_omp_bind(args) if "vllm" in servers_wanted else None,
         "cpu": cpu_info(), "medians": medians(records), "per_run": records,
     }
     for m in summary["medians"]:
