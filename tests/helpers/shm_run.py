@@ -48,6 +48,16 @@ def main() -> None:
         result["identical"] = all(torch.equal(e, every[0]) for e in every)
         pair = torch.tensor([[float(rank), 10.0 * rank]])
         result["gather"] = distributed.tp_all_gather(pair, dim=0).tolist()
+        # a step's logits: many slots' worth, gathered in row chunks, along either dim
+        ok = True
+        for rows, cols in ((300, 4099), (7, 1 << 17), (1, 5)):
+            z = torch.randn(rows, cols, generator=g)
+            ref_parts = [torch.empty_like(z) for _ in range(world)]
+            dist.all_gather(ref_parts, z)
+            for dim in (0, -1):
+                ok &= torch.equal(distributed.tp_all_gather(z, dim=dim),
+                                  torch.cat(ref_parts, dim=dim))
+        result["big_gather_equal"] = ok
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if mode != "die":

@@ -114,6 +114,10 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if world == 1:
         return x
     x = x.contiguous()
+    if (_shm is not None and x.dim() == 2 and x.shape[1] * x.element_size() <= SLOT_BYTES
+            and dim in (0, 1, -1)):
+        # any size, in slot-sized row chunks, written straight into the concatenation
+        return _shm.all_gather_into(x, dim % 2)
     if _shm is not None and x.numel() * x.element_size() <= SLOT_BYTES:
         parts = _shm.all_gather(x)
     else:

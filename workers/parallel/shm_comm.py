@@ -116,6 +116,29 @@ class ShmCommunicator:
                                     self.world, part.numel())
         return x
 
+    def all_gather_into(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's 2-D x concatenated along ``dim`` (0 or 1), in rank order, exchanged
+        in row chunks of at most a slot and copied from the slots straight into the output:
+        a step's logits (tens of MB at a large batch) stay off gloo and need no torch.cat."""
+        x = x.contiguous()
+        rows, cols = x.shape
+        row_bytes = cols * x.element_size()
+        per = max(1, SLOT_BYTES // max(1, row_bytes))
+        out_shape = (rows * self.world, cols) if dim == 0 else (rows, cols * self.world)
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+        for start in range(0, rows, per):
+            part = x[start : start + per]
+            n = part.shape[0]
+            buf = self._exchange(part.data_ptr(), n * row_bytes)
+            for r in range(self.world):
+                src = torch.frombuffer(self.mm, dtype=x.dtype, count=n * cols,
+                                       offset=self._slot(buf, r) - self.base).view(n, cols)
+                if dim == 0:
+                    out[r * rows + start : r * rows + start + n].copy_(src)
+                else:
+                    out[start : start + n, r * cols : (r + 1) * cols].copy_(src)
+        return out
+
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x (same shape and dtype on every rank), in rank order."""
         x = x.contiguous()

@@ -172,7 +172,9 @@ def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     n, vocab = probs.shape
     nb = -(-vocab // _DRAW_BLOCK)
     pad = nb * _DRAW_BLOCK - vocab
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, nb, _DRAW_BLOCK)
+    # a vocabulary of whole blocks is viewed in place (a pad copies every row's probabilities)
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs.contiguous()
+    blocks = padded.view(n, nb, _DRAW_BLOCK)
     mass = blocks.sum(dim=-1)
     b = _inverse_cdf(mass, u[:, 0])
     inside = blocks[torch.arange(n, device=probs.device), b]
@@ -195,8 +197,9 @@ def process_logits(x: torch.Tensor, md: SamplingMetadata, rows: np.ndarray) -> t
     ``x`` holds the float32 logits of ``rows`` (indices into ``md``); masked tokens are -inf.
     Speculative verification calls this too, so accepted drafts follow the same distribution.
     """
-    temp = to_device(md.temperature[rows], x.device)
-    x = x / temp.unsqueeze(1)
+    temps = md.temperature[rows]
+    if not (temps == 1.0).all():  # the default temperature divides by one: skip the copy
+        x = x / to_device(temps, x.device).unsqueeze(1)
     x = _apply_top_k_top_p(x, md.top_k[rows], md.top_p[rows])
     return _apply_min_p(x, md.min_p[rows])
 

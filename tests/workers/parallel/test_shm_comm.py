@@ -58,6 +58,7 @@ def test_all_reduce_and_all_gather_match_gloo(tmp_path, world):
             assert err <= tol, (key, err)
         assert r["identical"]
         assert r["gather"] == [[float(i), 10.0 * i] for i in range(world)]
+        assert r["big_gather_equal"]
 
 
 def test_dead_peer_raises_instead_of_hanging(tmp_path):
