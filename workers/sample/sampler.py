@@ -107,7 +107,10 @@ class Sampler:
 
         rand_rows = np.flatnonzero(~greedy)
         sub = md.select(rand_rows)
-        x = process_logits(logits[to_device(rand_rows, self.device)], md, rand_rows)
+        # every row random (the usual case): no gathered copy of the whole batch's logits
+        rand_logits = logits if len(rand_rows) == n else logits[to_device(rand_rows,
+                                                                          self.device)]
+        x = process_logits(rand_logits, md, rand_rows)
         probs = torch.softmax(x, dim=-1)
         rand_tokens = draw_tokens(probs, self.random(sub, DRAW_LANES))
 
