@@ -656,8 +656,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="tandem-vs-vllm-")
     os.makedirs(out_dir, exist_ok=True)
+    # one directory per shape, so another shape never reuses a directory made for this one
     model = os.path.abspath(args.model) if args.model else make_model_dir(
-        DEFAULT_MODEL_DIR, args.hidden_size, args.num_layers, args.max_model_len)
+        f"{DEFAULT_MODEL_DIR}-h{args.hidden_size}-l{args.num_layers}", args.hidden_size,
+        args.num_layers, args.max_model_len)
 
     skipped: dict[str, str] = {}
     servers_wanted = list(args.servers)
