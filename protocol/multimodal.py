@@ -82,7 +82,8 @@ class ImageSettings(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
 
 def image_settings_from(cfg: dict) -> ImageSettings:
     """The settings a preprocessor_config.json dict names (transformers' defaults for the
-    rest); ValueError for a value of the wrong kind."""
+    rest); ValueError for a value of the wrong kind. The frontend and the ranks both read
+    the file through this, so they cannot disagree."""
     d = ImageSettings()
 
     def whole(key: str, default: int) -> int:
@@ -93,6 +94,8 @@ def image_settings_from(cfg: dict) -> ImageSettings:
 
     def triple(key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
         v = cfg.get(key, default)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            v = [v] * 3  # one value for every channel, as transformers allows
         if not (isinstance(v, list | tuple) and len(v) == 3
                 and all(isinstance(x, int | float) for x in v)):
             raise ValueError(f"{key} must be three numbers, got {v!r}")

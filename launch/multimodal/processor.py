@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from protocol.multimodal import ImageSettings
+from protocol.multimodal import ImageSettings, image_settings_from
 
 __all__ = ["MAX_ASPECT_RATIO", "ProcessedImage", "ProcessorConfig", "resize", "smart_resize"]
 
@@ -46,7 +46,6 @@ class ProcessorConfig:
                   ) -> ProcessorConfig:
         """From preprocessor_config.json's content; ``overrides`` (min_pixels / max_pixels)
         win. ValueError for a value of the wrong kind."""
-        d = ImageSettings()
         given = cfg.get("size")
         size: dict[str, Any] = given if isinstance(given, dict) else {}
         min_px = size.get("shortest_edge", cfg.get("min_pixels", DEFAULT_MIN_PIXELS))
@@ -60,14 +59,10 @@ class ProcessorConfig:
                              "min_pixels")
         min_px = (overrides or {}).get("min_pixels", min_px)
         max_px = (overrides or {}).get("max_pixels", max_px)
-        settings = ImageSettings(
-            patch_size=_int(cfg, "patch_size", d.patch_size),
-            merge_size=_int(cfg, "merge_size", d.merge_size),
-            temporal_patch_size=_int(cfg, "temporal_patch_size", d.temporal_patch_size),
-            image_mean=_triple(cfg, "image_mean", d.image_mean),
-            image_std=_triple(cfg, "image_std", d.image_std),
-            rescale_factor=float(cfg.get("rescale_factor", d.rescale_factor)),
-        )
+        try:
+            settings = image_settings_from(cfg)
+        except ValueError as e:
+            raise ValueError(f"preprocessor_config.json: {e}") from None
         for name, v in (("min_pixels", min_px), ("max_pixels", max_px)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -85,23 +80,6 @@ class ProcessorConfig:
                 data = json.load(f)
             cfg = data if isinstance(data, dict) else {}
         return cls.from_dict(cfg, overrides)
-
-
-def _int(cfg: dict[str, Any], key: str, default: int) -> int:
-    v = cfg.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"preprocessor_config.json: {key} must be a positive integer")
-    return v
-
-
-def _triple(cfg: dict[str, Any], key: str, default: tuple[float, float, float]
-            ) -> tuple[float, float, float]:
-    v = cfg.get(key, default)
-    if isinstance(v, (int, float)):
-        v = [v] * 3
-    if not isinstance(v, (list, tuple)) or len(v) != 3:
-        raise ValueError(f"preprocessor_config.json: {key} must be 3 numbers")
-    return (float(v[0]), float(v[1]), float(v[2]))
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = DEFAULT_MIN_PIXELS,
