@@ -294,6 +294,7 @@ class EngineCore:
     def _poll_frontend(self, timeout_ms: int) -> None:
         for frame in self.frontend.frames(timeout_ms):
             self._handle_frontend(frame)
+        self.frontend.report_seen()
 
     def _handle_frontend(self, frame: bytes) -> None:
         try:

@@ -40,6 +40,7 @@ class FrontendLink:
         self.decoder = frontend_decoder(config.max_frame_bytes)
         self.inflight: set[str] = set()
         self.frames_seen = 0
+        self.frames_reported = 0  # frames_seen of the last EngineOutputs sent
         # requests admitted but not running; the core sets it once its scheduler exists
         self.num_waiting: Callable[[], int] = lambda: 0
 
@@ -68,7 +69,16 @@ class FrontendLink:
         self.send(self._outputs(outputs))
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineOutputs:
+        self.frames_reported = self.frames_seen
         return EngineOutputs(outputs, time.time(), self.frames_seen, self.num_waiting())
+
+    def report_seen(self) -> None:
+        """Tell the frontend how many frames were read when no output has said so since: its
+        admission counts a request in transit until a report covers its frame, and a frame
+        that yields no output of its own (an abort, a request that waits) would otherwise be
+        counted until the next output, which an idle engine never sends."""
+        if self.frames_seen > self.frames_reported:
+            self.send(self._outputs([]))
 
     def reject(self, request_id: str, reason: str) -> None:
         """Finish a request the engine never took, with finish_reason 'error'."""
