@@ -57,7 +57,7 @@ class _Plan:
     positions3: np.ndarray  # [3, T] int64
 
 
-class EncoderFeature(StepHook):
+class EncoderOutputs(StepHook):
     def __init__(self, model: Qwen2VLForConditionalGeneration, batch: InputBatch,
                  settings: ImageSettings, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model

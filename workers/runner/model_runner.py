@@ -163,11 +163,11 @@ class ModelRunner:
                                  self.dist.rank))
         if self.model_config.vision is not None:  # images: the encoder and its output cache
             from workers.model.qwen2_vl import Qwen2VLForConditionalGeneration
-            from workers.multimodal.feature import EncoderFeature
+            from workers.multimodal.feature import EncoderOutputs
             from workers.multimodal.settings import read_image_settings
 
             assert isinstance(self.model, Qwen2VLForConditionalGeneration)
-            self.plug(EncoderFeature(self.model, self.input_batch,
+            self.plug(EncoderOutputs(self.model, self.input_batch,
                                      read_image_settings(self.config.model), self.device,
                                      self.dtype))
             self.accepts_images = True
