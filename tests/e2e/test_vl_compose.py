@@ -10,58 +10,25 @@ one small engine (two for P/D).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from launch import LLM, LoRARequest, SamplingParams
 from protocol.kv_connector import KVTransferConfig, KVTransferParams
 from tests.helpers.procs import wait_no_descendants
-from tests.helpers.tiny_vl import END, IMAGE, START, hf_greedy_with_images, make_tiny_hf_vl
+from tests.helpers.tiny_vl import (
+    hf_greedy_with_images,
+    make_tiny_hf_vl,
+    vl_cases,
+    vl_expanded,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
 MAX_NEW = 6
-# multiples of 28 px, kept by the resize: 4, 12 and 8 image tokens
-SIZES = [(56, 56), (84, 112), (112, 56)]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
-def _images(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in SIZES]
 
-
-def _cases() -> list[tuple[list[int], list[np.ndarray]]]:
-    """(prompt ids with one pad per image, images); every prompt ends in text after the
-    image's vision_end, as chat prompts do."""
-    a, b = _images(11), _images(12)
-    text = [9, 17, 33, 4, 61]
-
-    def ids(n_images: int, tail: list[int]) -> list[int]:
-        out = list(text)
-        for _ in range(n_images):
-            out += [START, IMAGE, END, 40]
-        return out + tail
-
-    return [
-        (ids(0, [70, 71]), []),
-        (ids(1, [72]), [a[0]]),
-        (ids(1, [72]), [b[0]]),  # same text, another image
-        (ids(2, [73, 74, 75]), [a[1], a[2]]),
-        (ids(3, [76]), [a[2], b[1], a[2]]),  # one image twice
-    ]
-
-
-def _expanded(ids: list[int], images: list[np.ndarray]) -> list[int]:
-    out: list[int] = []
-    it = iter(images)
-    for t in ids:
-        if t == IMAGE:
-            h, w = next(it).shape[:2]
-            out += [IMAGE] * (h // 28 * (w // 28))
-        else:
-            out.append(t)
-    return out
 
 
 def _prompts(cases) -> list[dict]:
@@ -73,10 +40,11 @@ def vl(tmp_path_factory):
     """(model path, cases, expanded prompt lengths, transformers' greedy tokens)."""
     path = str(tmp_path_factory.mktemp("qwen2_5_vl"))
     hf = make_tiny_hf_vl(path, "qwen2_5_vl")
-    cases = _cases()
-    refs = [hf_greedy_with_images(hf, _expanded(ids, imgs), imgs, MAX_NEW) for ids, imgs in cases]
+    cases = vl_cases(11, 12)
+    refs = [hf_greedy_with_images(hf, vl_expanded(ids, imgs), imgs, MAX_NEW)
+            for ids, imgs in cases]
     assert refs[1] != refs[2], "the random model ignores its images"
-    lengths = [len(_expanded(ids, imgs)) for ids, imgs in cases]
+    lengths = [len(vl_expanded(ids, imgs)) for ids, imgs in cases]
     return path, cases, lengths, refs
 
 
@@ -157,12 +125,12 @@ def test_lora_on_the_language_model_with_images_equals_peft(tmp_path, family: st
     adapter = str(tmp_path / "adapter")
     model.save_pretrained(adapter)
     model.eval()
-    cases = _cases()[1:4]
+    cases = vl_cases(11, 12)[1:4]
     with torch.no_grad():
-        want = [hf_greedy_with_images(model, _expanded(ids, imgs), imgs, MAX_NEW)
+        want = [hf_greedy_with_images(model, vl_expanded(ids, imgs), imgs, MAX_NEW)
                 for ids, imgs in cases]
         with model.disable_adapter():
-            plain = [hf_greedy_with_images(model, _expanded(ids, imgs), imgs, MAX_NEW)
+            plain = [hf_greedy_with_images(model, vl_expanded(ids, imgs), imgs, MAX_NEW)
                      for ids, imgs in cases]
     assert want != plain, "the adapter changes nothing"
     lora = LoRARequest("vl", 1, adapter)

@@ -9,7 +9,6 @@ engine runs the prompts twice: the second round hits the prefix cache and the en
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from launch import LLM, SamplingParams
@@ -21,57 +20,24 @@ from tests.helpers.tiny_vl import (
     START,
     hf_greedy_with_images,
     make_tiny_hf_vl,
+    vl_cases,
+    vl_expanded,
+    vl_images,
 )
 
 MAX_NEW = 8
-# sides in pixels, multiples of 28 so the resize keeps them: 4, 12 and 8 image tokens
-SIZES = [(56, 56), (84, 112), (112, 56)]
 
 
-def _images(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in SIZES]
 
-
-def _cases() -> list[tuple[list[int], list[np.ndarray]]]:
-    """(prompt ids with one pad per image, images): 0 to 3 images; two prompts with the same
-    text and different images; one image repeated."""
-    a, b = _images(1), _images(2)
-    text = [9, 17, 33, 4, 61]
-
-    def ids(n_images: int, tail: list[int]) -> list[int]:
-        out = list(text)
-        for _ in range(n_images):
-            out += [START, IMAGE, END, 40]
-        return out + tail
-
-    return [
-        (ids(0, [70, 71]), []),
-        (ids(1, [72]), [a[0]]),
-        (ids(1, [72]), [b[0]]),  # same text, another image
-        (ids(2, [73, 74, 75]), [a[1], a[2]]),
-        (ids(3, [76]), [a[2], b[1], a[2]]),  # one image twice in a prompt
-    ]
-
-
-def _expanded(ids: list[int], images: list[np.ndarray]) -> list[int]:
-    out: list[int] = []
-    it = iter(images)
-    for t in ids:
-        if t == IMAGE:
-            h, w = next(it).shape[:2]
-            out += [IMAGE] * (h // 28 * (w // 28))
-        else:
-            out.append(t)
-    return out
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     hf = make_tiny_hf_vl(path, request.param)
-    cases = _cases()
-    refs = [hf_greedy_with_images(hf, _expanded(ids, imgs), imgs, MAX_NEW) for ids, imgs in cases]
+    cases = vl_cases(1, 2)
+    refs = [hf_greedy_with_images(hf, vl_expanded(ids, imgs), imgs, MAX_NEW)
+            for ids, imgs in cases]
     assert refs[1] != refs[2], "the random model ignores its images"
     return path, cases, refs
 
@@ -111,7 +77,7 @@ def test_greedy_tokens_with_images_equal_transformers(checkpoint, case: str) -> 
 def test_an_image_read_by_eight_requests_runs_the_encoder_once(tmp_path) -> None:
     path = str(tmp_path / "vl")
     make_tiny_hf_vl(path, "qwen2_vl")
-    img = _images(3)[1]
+    img = vl_images(3)[1]
     prompts = [{"prompt_token_ids": [5 + i, START, IMAGE, END, 30 + i],
                 "multi_modal_data": {"image": img}} for i in range(8)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

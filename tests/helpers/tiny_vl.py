@@ -135,3 +135,48 @@ def add_tiny_vl_tokenizer(path: str) -> str:
         json.dump({"bos_token": None, "eos_token": "</s>", "unk_token": "<unk>",
                    "add_bos_token": False, "chat_template": VL_CHAT_TEMPLATE}, f)
     return path
+
+
+# image sides in pixels, multiples of 28 so the resize keeps them: 4, 12 and 8 image tokens
+VL_SIZES = [(56, 56), (84, 112), (112, 56)]
+
+
+def vl_images(seed: int) -> list[np.ndarray]:
+    """Random uint8 RGB images of VL_SIZES."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in VL_SIZES]
+
+
+def vl_cases(seed_a: int, seed_b: int) -> list[tuple[list[int], list[np.ndarray]]]:
+    """(prompt ids with one pad per image, images): 0 to 3 images; two prompts with the same
+    text and different images; one image twice in a prompt. Every prompt ends in text after
+    the last image's vision_end, as chat prompts do."""
+    a, b = vl_images(seed_a), vl_images(seed_b)
+    text = [9, 17, 33, 4, 61]
+
+    def ids(n_images: int, tail: list[int]) -> list[int]:
+        out = list(text)
+        for _ in range(n_images):
+            out += [START, IMAGE, END, 40]
+        return out + tail
+
+    return [
+        (ids(0, [70, 71]), []),
+        (ids(1, [72]), [a[0]]),
+        (ids(1, [72]), [b[0]]),  # same text, another image
+        (ids(2, [73, 74, 75]), [a[1], a[2]]),
+        (ids(3, [76]), [a[2], b[1], a[2]]),  # one image twice
+    ]
+
+
+def vl_expanded(ids: list[int], images: list[np.ndarray]) -> list[int]:
+    """The ids with each image's one pad expanded to its token count (28 px per token)."""
+    out: list[int] = []
+    it = iter(images)
+    for t in ids:
+        if t == IMAGE:
+            h, w = next(it).shape[:2]
+            out += [IMAGE] * (h // 28 * (w // 28))
+        else:
+            out.append(t)
+    return out
