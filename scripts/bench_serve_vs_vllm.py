@@ -341,10 +341,13 @@ END_MARK = "Serving Benchmark Result"
 
 
 def run_bench(args: argparse.Namespace, server: Server, model: str, concurrency: int,
-              num_prompts: int, result_dir: str, tag: str,
+              num_prompts: int, seed: int, result_dir: str, tag: str,
               on_mark: Any = None) -> dict[str, Any]:
     """Run `vllm bench serve` once; `on_mark("start"|"end")` is called when the client prints
-    that the measured run starts and that its results are in."""
+    that the measured run starts and that its results are in. Each bench on one server start
+    needs its own `seed`: the random dataset repeats its prompts for a repeated seed, and both
+    servers' prefix caches would then serve the later bench's prefills (vLLM's 128-token CPU
+    blocks half of each 256-token prompt, Tandem's 16-token blocks nearly all of it)."""
     fname = f"{tag}.json"
     argv = [args.bench_bin, "bench", "serve", "--backend", "vllm",
             "--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "/v1/completions",
@@ -352,7 +355,7 @@ def run_bench(args: argparse.Namespace, server: Server, model: str, concurrency:
             "--random-input-len", str(args.input_len), "--random-output-len",
             str(args.output_len), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
-            "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-result",
             "--result-dir", result_dir, "--result-filename", fname]
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -389,7 +392,7 @@ def run_bench(args: argparse.Namespace, server: Server, model: str, concurrency:
 
 
 def measure(args: argparse.Namespace, server: Server, model: str, concurrency: int,
-            result_dir: str, tag: str) -> dict[str, Any]:
+            seed: int, result_dir: str, tag: str) -> dict[str, Any]:
     """One bench; the CPU window is from the client's "Starting main benchmark run" to its
     results banner (the client's own start-up, ~10 s of imports, is left out), or the client's
     whole life when it printed neither."""
@@ -400,7 +403,7 @@ def measure(args: argparse.Namespace, server: Server, model: str, concurrency: i
     def on_mark(which: str) -> None:
         snaps[which] = (time.perf_counter(), snapshot(root))
 
-    res = run_bench(args, server, model, concurrency, args.num_prompts, result_dir, tag,
+    res = run_bench(args, server, model, concurrency, args.num_prompts, seed, result_dir, tag,
                     on_mark)
     snaps["after"] = (time.perf_counter(), snapshot(root))
     marked = "start" in snaps and "end" in snaps
@@ -567,13 +570,17 @@ def main(argv: list[str] | None = None) -> int:
                 live.append(server)
                 try:
                     server.start(args.start_timeout)
+                    # one seed per bench of a server start (the same for both servers):
+                    # no bench reads prompts an earlier one left in the prefix cache
                     if args.warmup_prompts:
                         run_bench(args, server, model, max(args.concurrency),
-                                  args.warmup_prompts, out_dir, f"{name}-run{run}-warmup")
-                    for conc in args.concurrency:
-                        rec = measure(args, server, model, conc, out_dir,
+                                  args.warmup_prompts, args.seed, out_dir,
+                                  f"{name}-run{run}-warmup")
+                    for i, conc in enumerate(args.concurrency):
+                        seed = args.seed + 1 + i
+                        rec = measure(args, server, model, conc, seed, out_dir,
                                       f"{name}-run{run}-c{conc}")
-                        rec["run"] = run
+                        rec["run"], rec["seed"] = run, seed
                         records.append(rec)
                 finally:
                     server.stop()
