@@ -501,6 +501,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="server starts per engine, alternating which goes first; medians over "
                    "runs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy-loop processes beside the servers for the whole run: the same "
+                   "fixed contention for both (0: none)")
     p.add_argument("--servers", nargs="+", default=["tandem", "vllm"],
                    choices=["tandem", "vllm"])
     p.add_argument("--vllm-bin", default=DEFAULT_VLLM_BIN, help="vllm of the vLLM venv")
@@ -561,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict[str, Any]] = []
     live: list[Server] = []
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(args.background_load)]
     try:
         for run in range(args.runs):
             order = servers_wanted if run % 2 == 0 else servers_wanted[::-1]
@@ -591,12 +597,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in list(live):
             server.stop()
+        for proc in load:
+            proc.kill()
+            proc.wait(10)
 
     summary = {
         "tp": args.tp, "dtype": args.dtype, "model": model, "max_model_len": args.max_model_len,
         "input_len": args.input_len, "output_len": args.output_len,
         "num_prompts": args.num_prompts, "concurrency": args.concurrency, "runs": args.runs,
-        "kv_cache_gib": args.kv_cache_gib, "out_dir": out_dir, "skipped": skipped,
+        "kv_cache_gib": args.kv_cache_gib, "background_load": args.background_load,
+        "out_dir": out_dir, "skipped": skipped,
         "vllm_omp_threads_bind": vllm_omp_bind(args) if "vllm" in servers_wanted else None,
         "cpu": cpu_info(), "medians": medians(records), "per_run": records,
     }
