@@ -186,7 +186,10 @@ def test_census_is_empty_after_aborts_disconnects_and_errors(server: Server) -> 
     assert busy["frontend"]["serve.generations"] >= 2 and busy["frontend"]["client.tracked"] >= 3
     failed1, failed2, stop, fine, bad_id, bad_schema = out["results"]
     assert failed1.status_code == 400 and "injected request fault" in failed1.text
-    assert failed2.status_code == 400 and "injected request fault" in failed2.text
+    # the stream's two choices may start in different steps (two sequences run at a time): its
+    # failing choice is a 400 when its failure is the first output, else the error event of a
+    # stream that had started
+    assert failed2.status_code in (200, 400) and "injected request fault" in failed2.text
     assert stop.status_code == 200 and stop.json()["choices"][0]["finish_reason"] == "stop"
     assert fine.status_code == 200
     assert bad_id.status_code == 400 and bad_schema.status_code == 400
