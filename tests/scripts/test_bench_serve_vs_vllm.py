@@ -14,6 +14,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
 import bench_serve_vs_vllm as vs  # noqa: E402
+import proc_cpu  # noqa: E402
+import server_process  # noqa: E402
 
 # A stand-in server: answers GET /v1/models and has a child in its own session, like Tandem's
 # engine processes (start_new_session) that a kill of the leader's group does not reach.
@@ -38,25 +40,25 @@ def _free_port() -> int:
 
 def test_server_tree_accounting_and_teardown(tmp_path) -> None:
     port = _free_port()
-    server = vs.Server("fake", [sys.executable, "-c", FAKE_SERVER, str(port)], port,
+    server = server_process.Server("fake", [sys.executable, "-c", FAKE_SERVER, str(port)], port,
                        dict(os.environ), str(tmp_path / "fake.log"))
     try:
         server.start(timeout_s=30)
         assert server.proc is not None
         deadline = time.monotonic() + 10
-        while len(vs.process_tree(server.proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(proc_cpu.process_tree(server.proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        snap = vs.snapshot(server.proc.pid)
+        snap = proc_cpu.snapshot(server.proc.pid)
         assert len(snap) == 2
         names = [name for name, _, _ in snap.values()]
         assert "python -c import time; time.sleep(120)" in names
-        rows = vs.cpu_per_process({}, snap, out_tokens=1000)
+        rows = proc_cpu.cpu_per_process({}, snap, out_tokens=1000)
         assert all(r["cpu_s"] >= 0 and r["cpu_s_per_1k_out"] == r["cpu_s"] for r in rows)
         pids = set(snap)
     finally:
         server.stop(timeout_s=10)
-    assert not any(vs._alive(p) for p in pids)
-    assert vs.port_free(port)
+    assert not any(server_process._alive(p) for p in pids)
+    assert server_process.port_free(port)
 
 
 def test_medians_per_server_and_process() -> None:
